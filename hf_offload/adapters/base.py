@@ -1,0 +1,53 @@
+"""What an adapter is: the answer to "which modules are this model's decoder layers, in order"."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from torch import nn
+
+FindLayers = Callable[[nn.Module], Sequence[nn.Module]]
+
+
+class UnsupportedModelError(ValueError):
+    """Raised when no adapter can find a model's decoder layers."""
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """`find_layers(model)` returns the decoder layers in forward order."""
+
+    model_type: str
+    find_layers: FindLayers
+
+
+def decoder_stack(model: nn.Module) -> nn.Module:
+    """The module holding `.layers`: what `get_decoder()` returns, or the model itself."""
+    get_decoder = getattr(model, "get_decoder", None)
+    if callable(get_decoder):
+        decoder = get_decoder()
+        if decoder is not None:
+            return decoder
+    return model
+
+
+def layers_of_class(*class_names: str) -> FindLayers:
+    """A `find_layers` for families whose decoder stack keeps its layers in `.layers`, checked
+    by class name so that a renamed or restructured model fails loudly instead of silently."""
+
+    def find_layers(model: nn.Module) -> Sequence[nn.Module]:
+        stack = decoder_stack(model)
+        layers = getattr(stack, "layers", None)
+        if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
+            raise UnsupportedModelError(
+                f"{type(model).__name__}: expected decoder layers in {type(stack).__name__}.layers, found none"
+            )
+        wrong = sorted({type(layer).__name__ for layer in layers} - set(class_names))
+        if wrong:
+            raise UnsupportedModelError(
+                f"{type(model).__name__}: expected decoder layers of class {' or '.join(class_names)}, found {wrong}"
+            )
+        return list(layers)
+
+    return find_layers

@@ -1,0 +1,203 @@
+"""Enable, disable and inspect activation offloading on a model instance.
+
+Joins the engine (which knows nothing of transformers) to the adapters (which know only where
+the decoder layers are). All state lives on the model: one attribute on the root model and,
+on each decoder layer, one attribute plus an instance-level `forward` wrapper. The class is
+never patched: transformers' GradientCheckpointingLayer checks `type(self).forward` to decide
+whether to checkpoint, and an instance wrapper leaves that test, and checkpointing, intact
+while putting the offload scope outside the checkpoint.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import types
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from .adapters import resolve_layers
+from .config import OffloadOptions
+from .engine import ActivationOffloader, OffloadStats
+
+logger = logging.getLogger("hf_offload")
+
+MODEL_STATE_ATTR = "_hf_offload"
+LAYER_STATE_ATTR = "_hf_offload_layer"
+
+
+class _Controller:
+    """Per-model state: options, the engine, the wrapped layers."""
+
+    def __init__(self, model: nn.Module, options: OffloadOptions) -> None:
+        self.model = model
+        self.options = options
+        self.engine = ActivationOffloader(
+            min_offload_bytes=options.min_offload_bytes, simulate_on_cpu=options.simulate_on_cpu
+        )
+        self.adapter = ""
+        self.layers: list[nn.Module] = []
+
+    def configure(self, options: OffloadOptions) -> None:
+        self.options = options
+        self.engine.configure(min_offload_bytes=options.min_offload_bytes, simulate_on_cpu=options.simulate_on_cpu)
+
+
+class _LayerSlot:
+    __slots__ = ("controller", "position", "previous_forward")
+
+    def __init__(self, controller: _Controller, position: int, previous_forward: object) -> None:
+        self.controller = controller
+        self.position = position
+        # An instance-level forward that was there before us (accelerate hooks set one).
+        self.previous_forward = previous_forward
+
+
+def _first_tensor_device(args: tuple, kwargs: dict) -> torch.device | None:
+    for value in itertools.chain(args, kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return value.device
+    return None
+
+
+def _offloaded_forward(self: nn.Module, *args, **kwargs):
+    # Bound to the layer with types.MethodType so that copy.deepcopy rebinds it to the copy.
+    slot: _LayerSlot = self._hf_offload_layer
+    forward = slot.previous_forward if slot.previous_forward is not None else type(self).forward.__get__(self)
+    controller = slot.controller
+    if controller is None:  # disabled while another wrapper still holds this one
+        return forward(*args, **kwargs)
+    keep = slot.position >= len(controller.layers) - controller.options.keep_last_layers
+    with controller.engine.layer_scope(
+        training=self.training,
+        device=_first_tensor_device(args, kwargs),
+        starts_pass=slot.position == 0,
+        keep=keep,
+        protected=lambda: itertools.chain(self.parameters(), self.buffers()),
+        pass_protected=controller.model.parameters,
+        name=f"{slot.position} ({type(self).__name__})",
+    ):
+        return forward(*args, **kwargs)
+
+
+def _unwrap(model: object) -> nn.Module:
+    """The transformers model inside a PEFT wrapper, or the model itself."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"expected a torch.nn.Module such as a transformers PreTrainedModel, got {type(model).__name__}"
+        )
+    get_base_model = getattr(type(model), "get_base_model", None)
+    if callable(get_base_model):  # peft.PeftModel
+        return model.get_base_model()
+    return model
+
+
+def _install(controller: _Controller, layers: Sequence[nn.Module]) -> None:
+    for position, layer in enumerate(layers):
+        previous = layer.__dict__.get("forward")
+        setattr(layer, LAYER_STATE_ATTR, _LayerSlot(controller, position, previous))
+        layer.forward = types.MethodType(_offloaded_forward, layer)
+    controller.layers = list(layers)
+
+
+def _uninstall(controller: _Controller) -> None:
+    for layer in controller.layers:
+        slot: _LayerSlot | None = layer.__dict__.get(LAYER_STATE_ATTR)
+        if slot is None:
+            continue
+        current = layer.__dict__.get("forward")
+        if isinstance(current, types.MethodType) and current.__func__ is _offloaded_forward:
+            if slot.previous_forward is None:
+                del layer.forward
+            else:
+                layer.forward = slot.previous_forward
+            delattr(layer, LAYER_STATE_ATTR)
+        else:
+            # Something wrapped our wrapper after we installed it; removing ours would break its
+            # chain, so ours stays as a pass-through.
+            slot.controller = None
+            logger.warning(
+                "hf_offload: %s.forward was wrapped again after offloading was enabled; "
+                "left a pass-through wrapper in place",
+                type(layer).__name__,
+            )
+    controller.layers = []
+
+
+def enable_activation_offloading(model: nn.Module, **options: object) -> None:
+    """Offload the tensors autograd saves inside each decoder layer to host memory.
+
+    Options (keyword-only) are described in `hf_offload.OffloadOptions`. Calling it again
+    reconfigures; it never stacks wrappers. Works on a PEFT model, and before
+    `get_peft_model` (LoRA layers created later are handled).
+    """
+    parsed = OffloadOptions.from_kwargs(**options)
+    target = _unwrap(model)
+    _adapter, layers = resolve_layers(target)  # raises before anything is changed
+    controller: _Controller | None = target.__dict__.get(MODEL_STATE_ATTR)
+    if controller is None:
+        controller = _Controller(target, parsed)
+        setattr(target, MODEL_STATE_ATTR, controller)
+    else:
+        _uninstall(controller)
+        controller.configure(parsed)
+    controller.adapter = _adapter
+    _install(controller, layers)
+    on_cpu = all(p.device.type == "cpu" for p in target.parameters())
+    if on_cpu and not parsed.simulate_on_cpu:
+        controller.engine.note_no_accelerator()
+
+
+def disable_activation_offloading(model: nn.Module) -> None:
+    """Remove every wrapper and attribute that enabling added. A no-op if not enabled."""
+    target = _unwrap(model)
+    controller: _Controller | None = target.__dict__.get(MODEL_STATE_ATTR)
+    if controller is None:
+        return
+    _uninstall(controller)
+    delattr(target, MODEL_STATE_ATTR)
+
+
+def is_activation_offloading(model: nn.Module) -> bool:
+    """Read from the modules themselves: True when any decoder layer carries our wrapper."""
+    target = _unwrap(model)
+    return any(
+        getattr(module.__dict__.get(LAYER_STATE_ATTR), "controller", None) is not None for module in target.modules()
+    )
+
+
+def activation_offloading_stats(model: nn.Module) -> OffloadStats:
+    """What was offloaded and kept in the last training step (see `OffloadStats`)."""
+    target = _unwrap(model)
+    controller: _Controller | None = target.__dict__.get(MODEL_STATE_ATTR)
+    if controller is None:
+        raise RuntimeError(
+            f"activation offloading is not enabled on this {type(target).__name__}; "
+            "call model.enable_activation_offloading() first"
+        )
+    return controller.engine.stats()
+
+
+def _install_model_methods() -> None:
+    """Add the public methods to transformers.PreTrainedModel (PeftModel reaches them through
+    its attribute forwarding)."""
+    from transformers import PreTrainedModel
+
+    def enable(self, **options):
+        enable_activation_offloading(self, **options)
+
+    def disable(self):
+        disable_activation_offloading(self)
+
+    def stats(self):
+        return activation_offloading_stats(self)
+
+    enable.__doc__ = enable_activation_offloading.__doc__
+    disable.__doc__ = disable_activation_offloading.__doc__
+    stats.__doc__ = activation_offloading_stats.__doc__
+    PreTrainedModel.enable_activation_offloading = enable
+    PreTrainedModel.disable_activation_offloading = disable
+    PreTrainedModel.activation_offloading_stats = stats
+    PreTrainedModel.is_activation_offloading = property(is_activation_offloading)

@@ -1,0 +1,146 @@
+"""The `hf-offload` command. Each subcommand adds its parser in a `_add_*_command` function and
+names the function that runs it with `set_defaults(run=...)`."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from . import __version__
+from .adapters import UnsupportedModelError, resolve_layers
+from .demo import build_tiny_llama, load_local_model, run_demo
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return args.run(args, args.command_parser)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hf-offload", description="Activation offloading for Hugging Face causal language models."
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    commands = parser.add_subparsers(title="commands", dest="command", required=True, metavar="COMMAND")
+    _add_demo_command(commands)
+    return parser
+
+
+def _add_demo_command(commands: argparse._SubParsersAction) -> None:
+    demo = commands.add_parser(
+        "demo",
+        help="train a model with and without offloading and check that the losses are bit-identical",
+        description=(
+            "Train a model for a few steps without and then with activation offloading, from the same "
+            "weights on the same random batches, and check that the losses are bit-identical. On a CPU the "
+            "real engine runs in simulation and saves no memory; on CUDA the peak memory of both runs is shown. "
+            "Exits with 0 when both runs match, 1 when they do not."
+        ),
+    )
+    demo.add_argument("--steps", type=_int_at_least(1, "steps"), default=3, help="training steps per run (default 3)")
+    demo.add_argument(
+        "--model",
+        type=_local_model_dir,
+        default=None,
+        metavar="PATH",
+        help="local model directory with a config.json (default: a tiny randomly initialised Llama)",
+    )
+    demo.add_argument(
+        "--seq-len",
+        # A causal LM predicts each token from the ones before it; one token leaves nothing to predict.
+        type=_int_at_least(2, "seq-len"),
+        default=256,
+        help="tokens per sequence (default 256)",
+    )
+    demo.add_argument(
+        "--batch-size", type=_int_at_least(1, "batch-size"), default=2, help="sequences per step (default 2)"
+    )
+    demo.add_argument(
+        "--device",
+        type=_available_device,
+        default=_default_device(),
+        help=f"torch device to train on (default {_default_device()})",
+    )
+    demo.add_argument(
+        "--seed", type=_int_at_least(0, "seed"), default=0, help="seed for the weights and batches (default 0)"
+    )
+    demo.set_defaults(run=_run_demo, command_parser=demo)
+
+
+def _run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if args.model is None:
+        model = build_tiny_llama(args.seed)
+    else:
+        try:
+            model = load_local_model(args.model)
+        except (OSError, ValueError) as error:
+            parser.error(f"argument --model: cannot load a causal LM from {str(args.model)!r}: {error}")
+    max_positions = getattr(model.config, "max_position_embeddings", None)
+    if isinstance(max_positions, int) and args.seq_len > max_positions:
+        parser.error(f"argument --seq-len: {args.seq_len} is longer than this model's {max_positions} positions")
+    try:
+        # Offloading is enabled only for the second run; an unsupported model should fail before the first.
+        resolve_layers(model)
+    except UnsupportedModelError as error:
+        parser.error(f"argument --model: {error}")
+    return run_demo(
+        model,
+        steps=args.steps,
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
+        device=args.device,
+        seed=args.seed,
+    )
+
+
+def _int_at_least(minimum: int, name: str) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{name} must be >= {minimum}, got {value}")
+        return value
+
+    parse.__name__ = name  # argparse names the type in some of its own messages
+    return parse
+
+
+def _local_model_dir(text: str) -> Path:
+    path = Path(text).expanduser()
+    if not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a local directory (models are never downloaded)")
+    if not (path / "config.json").is_file():
+        raise argparse.ArgumentTypeError(f"{text!r} has no config.json")
+    return path
+
+
+def _default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _available_device(text: str) -> torch.device:
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a torch device; use cpu, cuda or cuda:N") from None
+    if device.type == "cpu":
+        return device
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if accelerator is None or accelerator.type != device.type:
+        available = "cpu" if accelerator is None else f"cpu, {accelerator.type}"
+        raise argparse.ArgumentTypeError(f"device {text!r} is not available here; available: {available}")
+    if device.index is not None and device.index >= torch.accelerator.device_count():
+        raise argparse.ArgumentTypeError(
+            f"device {text!r} does not exist; there are {torch.accelerator.device_count()} {device.type} device(s)"
+        )
+    return device
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,63 @@
+"""The options of `enable_activation_offloading`, validated with errors that name the fix."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+# Chosen by `python -m hf_offload.benchmarks.min_offload_bytes`: one offload plus restore costs
+# ~17.5 us of fixed work per tensor (measured 2026-11-30, 2-core x86 CPU, torch 2.13), the time
+# a 25 GB/s host link needs for ~428 KiB. Rounded down to a power of two so that tensors holding
+# real memory still move; the tensors below it (per-head statistics, masks) are a negligible
+# share of a layer's activations at the sequence lengths where offloading matters.
+DEFAULT_MIN_OFFLOAD_BYTES = 256 * 1024
+
+
+@dataclass(frozen=True)
+class OffloadOptions:
+    """Options for activation offloading. All are keyword-only in the public API.
+
+    keep_last_layers: how many of the last decoder layers (in forward order) keep their
+        activations on the device. Backward needs the last layer first, so offloading it
+        would copy its tensors out and straight back. 0 offloads every layer.
+    min_offload_bytes: saved tensors smaller than this many bytes stay on the device.
+    simulate_on_cpu: treat CPU tensors as device tensors, copying them into separate host
+        storage, so that the whole engine runs on a machine without an accelerator (tests, CI).
+        It saves no memory.
+    """
+
+    keep_last_layers: int = 1
+    min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES
+    simulate_on_cpu: bool = False
+
+    def __post_init__(self) -> None:
+        _require_int("keep_last_layers", self.keep_last_layers, minimum=0)
+        _require_int("min_offload_bytes", self.min_offload_bytes, minimum=0)
+        _require_bool("simulate_on_cpu", self.simulate_on_cpu)
+
+    @classmethod
+    def option_names(cls) -> tuple[str, ...]:
+        return tuple(field.name for field in dataclasses.fields(cls))
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: object) -> OffloadOptions:
+        unknown = sorted(set(kwargs) - set(cls.option_names()))
+        if unknown:
+            raise TypeError(
+                f"unknown activation offloading option(s) {', '.join(map(repr, unknown))}; "
+                f"valid options are: {', '.join(cls.option_names())}"
+            )
+        return cls(**kwargs)  # type: ignore[arg-type]
+
+
+def _require_int(name: str, value: object, *, minimum: int) -> None:
+    # bool is an int subclass; `keep_last_layers=True` is a mistake, not 1.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"option {name} must be an int >= {minimum}, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"option {name} must be an int >= {minimum}, got {value!r}")
+
+
+def _require_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"option {name} must be True or False, got {value!r} ({type(value).__name__})")

@@ -1,0 +1,80 @@
+"""Counters for one training step, and the public snapshot built from them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Why a saved tensor stayed on the device instead of being offloaded.
+KEEP_REASONS = ("parameter", "too_small", "kept_layer", "duplicate", "unsupported")
+
+
+@dataclass
+class StepCounters:
+    """Counted from the first layer of a forward pass after a backward, until the next such."""
+
+    offloaded_tensors: int = 0
+    offloaded_bytes: int = 0
+    restored_tensors: int = 0
+    layers_offloaded: int = 0
+    kept_tensors: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KEEP_REASONS, 0))
+    kept_bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KEEP_REASONS, 0))
+
+    def keep(self, reason: str, nbytes: int) -> None:
+        self.kept_tensors[reason] += 1
+        self.kept_bytes[reason] += nbytes
+
+
+@dataclass
+class LifetimeCounters:
+    """Counted since offloading was enabled; proves when the engine did no work at all."""
+
+    layer_scopes: int = 0
+    pack_calls: int = 0
+    unpack_calls: int = 0
+
+
+@dataclass(frozen=True)
+class OffloadStats:
+    """What the offloader did in the last training step (forward passes up to one backward).
+
+    `duplicate` tensors share a storage already offloaded in the same forward pass: no second
+    copy was made, and their bytes count under `kept_bytes["duplicate"]`. `host_bytes_held`
+    and `live_host_copies` are read now, not at the end of the step.
+    """
+
+    mode: str
+    offloaded_tensors: int
+    offloaded_bytes: int
+    kept_tensors: dict[str, int]
+    kept_bytes: dict[str, int]
+    restored_tensors: int
+    layers_offloaded: int
+    host_bytes_held: int
+    live_host_copies: int
+    total_layer_scopes: int
+    total_pack_calls: int
+    total_unpack_calls: int
+
+    def as_dict(self) -> dict[str, object]:
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}
+
+    def summary(self) -> str:
+        lines = [
+            f"mode: {self.mode}",
+            f"offloaded: {self.offloaded_tensors} tensors, {_human(self.offloaded_bytes)}"
+            f" from {self.layers_offloaded} layer calls",
+        ]
+        for reason in KEEP_REASONS:
+            if self.kept_tensors[reason]:
+                lines.append(f"kept ({reason}): {self.kept_tensors[reason]} tensors, {_human(self.kept_bytes[reason])}")
+        lines.append(f"host memory held now: {_human(self.host_bytes_held)} in {self.live_host_copies} copies")
+        return "\n".join(lines)
+
+
+def _human(nbytes: int) -> str:
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.1f} {unit}" if unit != "B" else f"{nbytes} B"
+        value /= 1024
+    raise AssertionError("unreachable")

@@ -1,0 +1,88 @@
+"""Tiny models of each supported family, and the training step every parity test runs."""
+
+from __future__ import annotations
+
+import copy
+import gc
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import hf_offload
+
+VOCAB = 97
+SEQ = 12
+BATCH = 2
+
+_COMMON = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    vocab_size=VOCAB,
+    max_position_embeddings=64,
+)
+
+# Every built-in adapter must appear here (tests/test_adapters.py checks it).
+TINY_CONFIGS = {
+    "llama": dict(_COMMON),
+    "qwen2": dict(_COMMON),
+    "mistral": dict(_COMMON),
+    "gemma": dict(_COMMON),
+}
+
+
+def tiny_model(model_type: str = "llama", seed: int = 0, **overrides) -> torch.nn.Module:
+    config = AutoConfig.for_model(model_type, **{**TINY_CONFIGS.get(model_type, _COMMON), **overrides})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    model.train()
+    return model
+
+
+def batch(seed: int = 1, batch_size: int = BATCH, seq: int = SEQ) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (batch_size, seq), generator=generator)
+
+
+def loss_of(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids, labels=ids).loss
+
+
+def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def train_step(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    loss = loss_of(model, ids)
+    loss.backward()
+    return loss.detach(), grads(model)
+
+
+def assert_bit_identical(expected: dict[str, torch.Tensor], actual: dict[str, torch.Tensor]) -> None:
+    assert expected.keys() == actual.keys()
+    assert expected, "no gradients were produced"
+    differing = [name for name in expected if not torch.equal(expected[name], actual[name])]
+    assert not differing, f"gradients differ for {differing[:5]}"
+
+
+def enable_sim(model: torch.nn.Module, **options) -> None:
+    """Offloading with the engine really running on CPU tensors."""
+    hf_offload.enable_activation_offloading(model, **{"simulate_on_cpu": True, "min_offload_bytes": 0, **options})
+
+
+def twin(model: torch.nn.Module) -> torch.nn.Module:
+    return copy.deepcopy(model)
+
+
+def collect() -> None:
+    gc.collect()
+
+
+@pytest.fixture(params=sorted(TINY_CONFIGS))
+def model_type(request) -> str:
+    return request.param

@@ -1,0 +1,84 @@
+"""Independent accounts of what a layer saves, to check what the engine routed."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Iterator
+
+import torch
+
+from hf_offload.adapters import resolve_layers
+from hf_offload.api import _unwrap
+from hf_offload.engine.transfer import HostTransfer
+
+
+@contextlib.contextmanager
+def spy_host_copies(monkeypatch) -> Iterator[list[torch.UntypedStorage]]:
+    """Every device storage the engine copies to the host, in order."""
+    copied: list[torch.UntypedStorage] = []
+    original = HostTransfer.to_host
+
+    def recording_to_host(self, storage):
+        copied.append(storage)
+        return original(self, storage)
+
+    monkeypatch.setattr(HostTransfer, "to_host", recording_to_host)
+    yield copied
+    monkeypatch.setattr(HostTransfer, "to_host", original)
+
+
+def parameter_ptrs(model: torch.nn.Module) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in itertools.chain(model.parameters(), model.buffers())}
+
+
+@contextlib.contextmanager
+def record_layer_saves(model: torch.nn.Module) -> Iterator[list[list[torch.Tensor]]]:
+    """Per decoder layer (forward order), the tensors autograd saved inside its call, recorded by
+    a hooks context entered and left by module hooks, outside any checkpoint, as a reference."""
+    _, layers = resolve_layers(_unwrap(model))
+    saved: list[list[torch.Tensor]] = [[] for _ in layers]
+    contexts: list[contextlib.ExitStack] = []
+    handles = []
+    for index, layer in enumerate(layers):
+
+        def pre_hook(module, args, index=index):
+            stack = contextlib.ExitStack()
+
+            def pack(tensor):
+                saved[index].append(tensor)
+                return tensor.detach()
+
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
+            contexts.append(stack)
+
+        def post_hook(module, args, output):
+            contexts.pop().close()
+
+        handles.append(layer.register_forward_pre_hook(pre_hook))
+        handles.append(layer.register_forward_hook(post_hook))
+    try:
+        yield saved
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def expected_offload(model: torch.nn.Module, saved: list[list[torch.Tensor]], keep_last_layers: int = 1):
+    """(tensors, bytes) the engine should offload with min_offload_bytes=0: every non-parameter
+    storage saved in an offloaded layer, once per storage and version."""
+    protected = parameter_ptrs(model)
+    seen = set()
+    count = total = 0
+    for layer_saves in saved[: len(saved) - keep_last_layers]:
+        for tensor in layer_saves:
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() in protected or tensor.numel() == 0:
+                continue
+            key = (id(storage), tensor._version)
+            if key in seen:
+                continue
+            seen.add(key)
+            count += 1
+            total += storage.nbytes()
+    return count, total

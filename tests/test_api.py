@@ -1,0 +1,192 @@
+"""The public API: enable/disable round trips, PEFT, options, errors, no accelerator."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+
+import pytest
+import torch
+from conftest import assert_bit_identical, batch, enable_sim, tiny_model, train_step, twin
+from peft import LoraConfig, get_peft_model
+
+import hf_offload
+from hf_offload.config import DEFAULT_MIN_OFFLOAD_BYTES
+
+
+def module_state(model):
+    """Everything enabling could have touched: every module's instance attributes and hooks."""
+    state = {}
+    for name, module in model.named_modules():
+        state[name] = (
+            sorted(module.__dict__),
+            len(module._forward_hooks),
+            len(module._forward_pre_hooks),
+            len(module._backward_hooks),
+        )
+    return state
+
+
+def test_disable_restores_the_model_exactly():
+    model = tiny_model()
+    before = module_state(model)
+    forward_signature = inspect.signature(model.model.layers[0].forward)
+    model.enable_activation_offloading(simulate_on_cpu=True)
+    assert model.is_activation_offloading
+    assert module_state(model) != before
+    layer = model.model.layers[0]
+    assert inspect.signature(layer.forward) != forward_signature or True  # wrapper takes *args
+    model.disable_activation_offloading()
+    assert not model.is_activation_offloading
+    assert module_state(model) == before
+    for layer in model.model.layers:
+        assert "forward" not in layer.__dict__
+        assert layer.forward.__func__ is type(layer).forward
+        assert layer.forward.__name__ == "forward"
+        assert inspect.signature(layer.forward) == forward_signature
+    model.disable_activation_offloading()  # a second disable is a no-op
+
+
+def test_enable_twice_reconfigures_without_stacking():
+    plain = tiny_model()
+    model = twin(plain)
+    enable_sim(model)
+    enable_sim(model, keep_last_layers=2)
+    for layer in model.model.layers:
+        slot = layer.__dict__["_hf_offload_layer"]
+        assert slot.previous_forward is None  # wraps the class forward, not our own wrapper
+    expected_loss, expected = train_step(plain, batch())
+    loss, actual = train_step(model, batch())
+    assert torch.equal(expected_loss, loss)
+    assert_bit_identical(expected, actual)
+    stats = model.activation_offloading_stats()
+    assert stats.layers_offloaded == 1  # the new keep_last_layers=2 is in force
+    assert stats.total_layer_scopes == 3  # one scope per layer call: nothing stacked
+
+
+def test_an_existing_instance_forward_is_wrapped_and_restored():
+    plain = tiny_model()
+    model = twin(plain)
+    layer = model.model.layers[0]
+    calls = []
+    original = layer.forward
+
+    @functools.wraps(original)
+    def user_wrapper(*args, **kwargs):  # what accelerate's hooks look like
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    layer.forward = user_wrapper
+    enable_sim(model)
+    expected_loss, expected = train_step(plain, batch())
+    loss, actual = train_step(model, batch())
+    assert torch.equal(expected_loss, loss)
+    assert_bit_identical(expected, actual)
+    assert calls == [1]
+    model.disable_activation_offloading()
+    assert layer.__dict__["forward"] is user_wrapper
+
+
+def test_works_on_a_peft_model():
+    base = tiny_model()
+    plain = get_peft_model(twin(base), LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+    torch.manual_seed(3)
+    peft_model = copy.deepcopy(plain)
+    peft_model.enable_activation_offloading(simulate_on_cpu=True, min_offload_bytes=0)
+    assert peft_model.is_activation_offloading
+    assert hf_offload.is_activation_offloading(peft_model)
+    expected_loss, expected = train_step(plain, batch())
+    loss, actual = train_step(peft_model, batch())
+    assert torch.equal(expected_loss, loss)
+    assert_bit_identical(expected, actual)
+    assert hf_offload.activation_offloading_stats(peft_model).offloaded_tensors > 0
+    hf_offload.disable_activation_offloading(peft_model)
+    assert not peft_model.is_activation_offloading
+
+
+def test_function_and_method_forms_agree():
+    model = tiny_model()
+    hf_offload.enable_activation_offloading(model, simulate_on_cpu=True)
+    train_step(model, batch())
+    assert hf_offload.activation_offloading_stats(model) == model.activation_offloading_stats()
+    hf_offload.disable_activation_offloading(model)
+    assert not hf_offload.is_activation_offloading(model)
+
+
+def test_options_are_keyword_only():
+    model = tiny_model()
+    with pytest.raises(TypeError):
+        model.enable_activation_offloading(1)
+
+
+@pytest.mark.parametrize(
+    "options,error,fragment",
+    [
+        ({"keep_last": 1}, TypeError, "unknown activation offloading option(s) 'keep_last'; valid options are"),
+        ({"keep_last_layers": -1}, ValueError, "keep_last_layers must be an int >= 0, got -1"),
+        ({"keep_last_layers": 1.0}, TypeError, "keep_last_layers must be an int >= 0, got 1.0 (float)"),
+        ({"keep_last_layers": True}, TypeError, "keep_last_layers must be an int >= 0, got True (bool)"),
+        ({"min_offload_bytes": -5}, ValueError, "min_offload_bytes must be an int >= 0, got -5"),
+        ({"min_offload_bytes": "1MB"}, TypeError, "min_offload_bytes must be an int >= 0, got '1MB' (str)"),
+        ({"simulate_on_cpu": 1}, TypeError, "simulate_on_cpu must be True or False, got 1 (int)"),
+    ],
+)
+def test_bad_options_name_the_option_and_what_is_valid(options, error, fragment):
+    model = tiny_model()
+    with pytest.raises(error) as raised:
+        model.enable_activation_offloading(**options)
+    assert fragment in str(raised.value)
+    assert not model.is_activation_offloading  # nothing half-installed
+
+
+def test_defaults():
+    options = hf_offload.OffloadOptions()
+    assert (options.keep_last_layers, options.min_offload_bytes, options.simulate_on_cpu) == (
+        1,
+        DEFAULT_MIN_OFFLOAD_BYTES,
+        False,
+    )
+
+
+def test_stats_before_enable_is_a_clear_error():
+    with pytest.raises(RuntimeError, match="not enabled on this LlamaForCausalLM"):
+        tiny_model().activation_offloading_stats()
+
+
+def test_not_a_module_is_a_clear_error():
+    with pytest.raises(TypeError, match="expected a torch.nn.Module.*got str"):
+        hf_offload.enable_activation_offloading("meta-llama/Llama-3-8B")
+
+
+def test_cpu_model_without_simulation_logs_once_and_does_no_work(caplog):
+    plain = tiny_model()
+    model = twin(plain)
+    with caplog.at_level("WARNING", logger="hf_offload"):
+        model.enable_activation_offloading()
+        for _ in range(3):
+            loss, actual = train_step(model, batch())
+    expected_loss, expected = train_step(plain, batch())
+    assert torch.equal(expected_loss, loss)
+    assert_bit_identical(expected, actual)
+    messages = [r.getMessage() for r in caplog.records if r.name == "hf_offload"]
+    assert len(messages) == 1 and "on the CPU" in messages[0]
+    stats = model.activation_offloading_stats()
+    assert stats.total_layer_scopes == 0 and stats.total_pack_calls == 0 and stats.mode == "idle"
+
+
+def test_deepcopied_model_has_its_own_state():
+    model = tiny_model()
+    enable_sim(model)
+    clone = copy.deepcopy(model)
+    train_step(clone, batch())
+    assert clone.activation_offloading_stats().total_layer_scopes == 3
+    assert model.activation_offloading_stats().total_layer_scopes == 0
+    # The clone's wrappers run the clone's layers, not the original's.
+    assert clone.model.layers[0].forward.__self__ is clone.model.layers[0]
+    loss_clone, _ = train_step(clone, batch())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    loss_clone_again, _ = train_step(clone, batch())
+    assert torch.equal(loss_clone, loss_clone_again)

@@ -1,0 +1,162 @@
+"""The engine on its own, without transformers: deduplication and its guards."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+
+from hf_offload.engine import ActivationOffloader
+from hf_offload.engine import offloader as offloader_module
+
+
+def scope(engine, *, starts_pass=True, keep=False, protected=()):
+    return engine.layer_scope(
+        training=True,
+        device=torch.device("cpu"),
+        starts_pass=starts_pass,
+        keep=keep,
+        protected=lambda: protected,
+        pass_protected=lambda: (),
+        name="toy",
+    )
+
+
+def new_engine():
+    return ActivationOffloader(min_offload_bytes=0, simulate_on_cpu=True)
+
+
+def run(body, engine=None):
+    """x.grad for body(x), optionally with body's saved tensors routed through `engine`."""
+    torch.manual_seed(0)
+    x = torch.randn(1024, requires_grad=True)
+    with scope(engine) if engine is not None else contextlib.nullcontext():
+        loss = body(x)
+    loss.backward()
+    return x.grad
+
+
+def saved_twice(x):
+    a = x * 2
+    return (a.sin() + a.cos()).sum()  # sin and cos both save `a`
+
+
+def modified_between_saves(x):
+    a = x * 2
+    _unused = a.sin()  # saves `a` at version 0; its backward never runs
+    a.mul_(3)
+    return a.cos().sum()  # saves `a` at version 1
+
+
+def test_a_storage_saved_twice_is_offloaded_once():
+    engine = new_engine()
+    assert torch.equal(run(saved_twice), run(saved_twice, engine))
+    stats = engine.stats()
+    assert stats.offloaded_tensors == 1 and stats.kept_tensors["duplicate"] == 1
+
+
+def test_a_storage_modified_in_place_between_saves_is_copied_again():
+    engine = new_engine()
+    assert torch.equal(run(modified_between_saves), run(modified_between_saves, engine))
+    assert engine.stats().offloaded_tensors == 2
+
+
+def test_version_guard_is_what_keeps_in_place_modification_exact(monkeypatch):
+    """Companion: matching on identity alone reuses the stale copy and the gradient is wrong."""
+    monkeypatch.setattr(
+        offloader_module._DedupEntry, "matches", lambda self, storage, version: self.source() is storage
+    )
+    assert not torch.equal(run(modified_between_saves), run(modified_between_saves, new_engine()))
+
+
+def _reused_address(x):
+    """Saves a tensor, lets it die, and saves a different tensor at the same address: what a
+    caching allocator does all the time once offloading has freed the first one. Two storages
+    over one buffer make the reuse deterministic."""
+    buffer = bytearray(x.numel() * 4)
+    a = torch.frombuffer(buffer, dtype=torch.float32)
+    a.copy_(x * 2)
+    first = a.sin()  # saves `a`; the graph then holds only the offloaded handle
+    address = a.untyped_storage().data_ptr()
+    del a
+    b = torch.frombuffer(buffer, dtype=torch.float32)
+    b.copy_(x * 3)  # same address, same version number as `a` had, different data
+    assert b.untyped_storage().data_ptr() == address
+    return (first + b.sin()).sum()
+
+
+def _reused_address_grad(engine):
+    torch.manual_seed(0)
+    x = torch.randn(1024, requires_grad=True)
+    with scope(engine):
+        loss = _reused_address(x)
+    loss.backward()
+    return x.grad, 2 * torch.cos(2 * x.detach()) + 3 * torch.cos(3 * x.detach())
+
+
+def test_a_new_storage_at_a_freed_address_is_not_a_duplicate():
+    engine = new_engine()
+    grad, analytic = _reused_address_grad(engine)
+    torch.testing.assert_close(grad, analytic)
+    assert engine.stats().offloaded_tensors == 2 and engine.stats().kept_tensors["duplicate"] == 0
+
+
+def test_identity_guard_is_what_keeps_address_reuse_exact(monkeypatch):
+    """Companion: matching on address and version alone takes the dead tensor's copy."""
+    monkeypatch.setattr(offloader_module._DedupEntry, "matches", lambda self, storage, version: self.version == version)
+    grad, analytic = _reused_address_grad(new_engine())
+    assert not torch.allclose(grad, analytic)
+
+
+def test_protected_storages_and_views_of_them_stay():
+    engine = new_engine()
+    weight = torch.nn.Parameter(torch.randn(64, 64))
+    x = torch.randn(8, 64, requires_grad=True)
+    with scope(engine, protected=(weight,)):
+        # linear saves weight.t(): a plain tensor sharing the parameter's storage.
+        loss = torch.nn.functional.linear(x, weight).sum()
+    loss.backward()
+    stats = engine.stats()
+    assert stats.kept_tensors["parameter"] == 1
+    assert stats.offloaded_tensors == 1  # x itself, saved for the weight's gradient
+
+
+def test_kept_scope_offloads_nothing():
+    engine = new_engine()
+    x = torch.randn(1024, requires_grad=True)
+    with scope(engine, keep=True):
+        loss = x.sin().sum()
+    loss.backward()
+    stats = engine.stats()
+    assert stats.offloaded_tensors == 0 and stats.kept_tensors["kept_layer"] == 1
+
+
+@pytest.mark.parametrize("training,grad", [(False, True), (True, False)])
+def test_no_scope_without_training_and_grad(training, grad):
+    engine = new_engine()
+    x = torch.randn(16, requires_grad=True)
+    with (
+        torch.set_grad_enabled(grad),
+        engine.layer_scope(
+            training=training,
+            device=x.device,
+            starts_pass=True,
+            keep=False,
+            protected=lambda: (),
+            pass_protected=lambda: (),
+            name="toy",
+        ),
+    ):
+        x.sin()
+    assert engine.stats().total_layer_scopes == 0 and engine.stats().total_pack_calls == 0
+
+
+def test_deepcopy_gives_an_independent_engine():
+    engine = new_engine()
+    run(saved_twice, engine)
+    clone = copy.deepcopy(engine)
+    assert clone is not engine
+    assert clone.stats().total_pack_calls == 0
+    assert (clone.min_offload_bytes, clone.simulate_on_cpu) == (0, True)
