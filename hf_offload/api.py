@@ -34,15 +34,13 @@ class _Controller:
     def __init__(self, model: nn.Module, options: OffloadOptions) -> None:
         self.model = model
         self.options = options
-        self.engine = ActivationOffloader(
-            min_offload_bytes=options.min_offload_bytes, simulate_on_cpu=options.simulate_on_cpu
-        )
+        self.engine = ActivationOffloader(**options.engine_options())
         self.adapter = ""
         self.layers: list[nn.Module] = []
 
     def configure(self, options: OffloadOptions) -> None:
         self.options = options
-        self.engine.configure(min_offload_bytes=options.min_offload_bytes, simulate_on_cpu=options.simulate_on_cpu)
+        self.engine.configure(**options.engine_options())
 
 
 class _LayerSlot:

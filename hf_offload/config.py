@@ -5,12 +5,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-# Chosen by `python -m hf_offload.benchmarks.min_offload_bytes`: one offload plus restore costs
-# ~17.5 us of fixed work per tensor (measured 2026-11-30, 2-core x86 CPU, torch 2.13), the time
-# a 25 GB/s host link needs for ~428 KiB. Rounded down to a power of two so that tensors holding
-# real memory still move; the tensors below it (per-head statistics, masks) are a negligible
-# share of a layer's activations at the sequence lengths where offloading matters.
-DEFAULT_MIN_OFFLOAD_BYTES = 256 * 1024
+# Chosen by `python -m hf_offload.benchmarks.min_offload_bytes`: offloading and restoring one
+# saved tensor costs ~30 us of fixed engine work (measured 2026-11-30 on a 2-core x86 CPU,
+# torch 2.13, batches of 16 tensors per layer), the time a 25 GB/s host link needs for ~740 KiB.
+# Rounded down to a power of two so that tensors holding real memory still move; the tensors
+# below it (per-head statistics, masks, short rotary tables) are a negligible share of a
+# layer's activations at the sequence lengths where offloading matters.
+DEFAULT_MIN_OFFLOAD_BYTES = 512 * 1024
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,9 @@ class OffloadOptions:
         activations on the device. Backward needs the last layer first, so offloading it
         would copy its tensors out and straight back. 0 offloads every layer.
     min_offload_bytes: saved tensors smaller than this many bytes stay on the device.
+    prefetch_layers: in backward, how many layers ahead of the one being differentiated have
+        their activations copied back in advance. 0 copies each layer's back only when its
+        backward starts (nothing overlaps); 1 hides the copies behind one layer's backward.
     simulate_on_cpu: treat CPU tensors as device tensors, copying them into separate host
         storage, so that the whole engine runs on a machine without an accelerator (tests, CI).
         It saves no memory.
@@ -28,12 +32,22 @@ class OffloadOptions:
 
     keep_last_layers: int = 1
     min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES
+    prefetch_layers: int = 1
     simulate_on_cpu: bool = False
 
     def __post_init__(self) -> None:
         _require_int("keep_last_layers", self.keep_last_layers, minimum=0)
         _require_int("min_offload_bytes", self.min_offload_bytes, minimum=0)
+        _require_int("prefetch_layers", self.prefetch_layers, minimum=0)
         _require_bool("simulate_on_cpu", self.simulate_on_cpu)
+
+    def engine_options(self) -> dict[str, object]:
+        """The options the engine itself reads (keep_last_layers is applied by the API)."""
+        return {
+            "min_offload_bytes": self.min_offload_bytes,
+            "simulate_on_cpu": self.simulate_on_cpu,
+            "prefetch_layers": self.prefetch_layers,
+        }
 
     @classmethod
     def option_names(cls) -> tuple[str, ...]:

@@ -10,22 +10,22 @@ import torch
 
 from hf_offload.adapters import resolve_layers
 from hf_offload.api import _unwrap
-from hf_offload.engine.transfer import HostTransfer
+from hf_offload.engine.offloader import DeviceContext
 
 
 @contextlib.contextmanager
 def spy_host_copies(monkeypatch) -> Iterator[list[torch.UntypedStorage]]:
     """Every device storage the engine copies to the host, in order."""
     copied: list[torch.UntypedStorage] = []
-    original = HostTransfer.to_host
+    original = DeviceContext.offload_async
 
-    def recording_to_host(self, storage):
-        copied.append(storage)
-        return original(self, storage)
+    def recording_offload_async(self, copies):
+        copied.extend(copy.source for copy in copies)
+        return original(self, copies)
 
-    monkeypatch.setattr(HostTransfer, "to_host", recording_to_host)
+    monkeypatch.setattr(DeviceContext, "offload_async", recording_offload_async)
     yield copied
-    monkeypatch.setattr(HostTransfer, "to_host", original)
+    monkeypatch.setattr(DeviceContext, "offload_async", original)
 
 
 def parameter_ptrs(model: torch.nn.Module) -> set[int]:

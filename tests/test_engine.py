@@ -43,11 +43,26 @@ def saved_twice(x):
     return (a.sin() + a.cos()).sum()  # sin and cos both save `a`
 
 
-def modified_between_saves(x):
-    a = x * 2
-    _unused = a.sin()  # saves `a` at version 0; its backward never runs
-    a.mul_(3)
-    return a.cos().sum()  # saves `a` at version 1
+def modified_between_saves(x, engine=None):
+    """Layer 1 saves `a` (its use never reaches the loss); layer 2 modifies `a` in place and
+    saves it again. Without offloading this is a valid program."""
+
+    def layer(starts_pass):
+        return scope(engine, starts_pass=starts_pass) if engine is not None else contextlib.nullcontext()
+
+    with layer(True):
+        a = x * 2
+        _unused = a.sin()  # saves `a` at version 0; its backward never runs
+    with layer(False):
+        a.mul_(3)
+        return a.cos().sum()  # saves `a` at version 1
+
+
+def grad_of_modified_between_saves(engine):
+    torch.manual_seed(0)
+    x = torch.randn(1024, requires_grad=True)
+    modified_between_saves(x, engine).backward()
+    return x.grad
 
 
 def test_a_storage_saved_twice_is_offloaded_once():
@@ -59,7 +74,7 @@ def test_a_storage_saved_twice_is_offloaded_once():
 
 def test_a_storage_modified_in_place_between_saves_is_copied_again():
     engine = new_engine()
-    assert torch.equal(run(modified_between_saves), run(modified_between_saves, engine))
+    assert torch.equal(grad_of_modified_between_saves(None), grad_of_modified_between_saves(engine))
     assert engine.stats().offloaded_tensors == 2
 
 
@@ -68,39 +83,40 @@ def test_version_guard_is_what_keeps_in_place_modification_exact(monkeypatch):
     monkeypatch.setattr(
         offloader_module._DedupEntry, "matches", lambda self, storage, version: self.source() is storage
     )
-    assert not torch.equal(run(modified_between_saves), run(modified_between_saves, new_engine()))
-
-
-def _reused_address(x):
-    """Saves a tensor, lets it die, and saves a different tensor at the same address: what a
-    caching allocator does all the time once offloading has freed the first one. Two storages
-    over one buffer make the reuse deterministic."""
-    buffer = bytearray(x.numel() * 4)
-    a = torch.frombuffer(buffer, dtype=torch.float32)
-    a.copy_(x * 2)
-    first = a.sin()  # saves `a`; the graph then holds only the offloaded handle
-    address = a.untyped_storage().data_ptr()
-    del a
-    b = torch.frombuffer(buffer, dtype=torch.float32)
-    b.copy_(x * 3)  # same address, same version number as `a` had, different data
-    assert b.untyped_storage().data_ptr() == address
-    return (first + b.sin()).sum()
+    assert not torch.equal(grad_of_modified_between_saves(None), grad_of_modified_between_saves(new_engine()))
 
 
 def _reused_address_grad(engine):
+    """Layer 1 saves a tensor; once the engine has released it (after layer 2), it dies and
+    layer 3 saves a different tensor at the same address: what a caching allocator does all
+    the time once offloading has freed memory. Two storages over one buffer make the reuse
+    deterministic."""
     torch.manual_seed(0)
     x = torch.randn(1024, requires_grad=True)
-    with scope(engine):
-        loss = _reused_address(x)
-    loss.backward()
-    return x.grad, 2 * torch.cos(2 * x.detach()) + 3 * torch.cos(3 * x.detach())
+    buffer = bytearray(x.numel() * 4)
+    with scope(engine, starts_pass=True):
+        a = torch.frombuffer(buffer, dtype=torch.float32)
+        a.copy_(x * 2)
+        first = a.sin()  # saves `a`; the graph holds only the offloaded handle
+        address = a.untyped_storage().data_ptr()
+        del a
+    with scope(engine, starts_pass=False):
+        middle = x.cos()
+    with scope(engine, starts_pass=False):
+        b = torch.frombuffer(buffer, dtype=torch.float32)
+        b.copy_(x * 3)  # same address, same version number as `a` had, different data
+        assert b.untyped_storage().data_ptr() == address
+        last = b.sin()
+    (first + middle + last).sum().backward()
+    expected = 2 * torch.cos(2 * x.detach()) - torch.sin(x.detach()) + 3 * torch.cos(3 * x.detach())
+    return x.grad, expected
 
 
 def test_a_new_storage_at_a_freed_address_is_not_a_duplicate():
     engine = new_engine()
     grad, analytic = _reused_address_grad(engine)
     torch.testing.assert_close(grad, analytic)
-    assert engine.stats().offloaded_tensors == 2 and engine.stats().kept_tensors["duplicate"] == 0
+    assert engine.stats().offloaded_tensors == 3 and engine.stats().kept_tensors["duplicate"] == 0
 
 
 def test_identity_guard_is_what_keeps_address_reuse_exact(monkeypatch):

@@ -205,3 +205,24 @@ def test_dtype_change_after_enable_never_offloads_parameters(monkeypatch):
     assert_bit_identical(expected, actual)
     assert copied and not {s.data_ptr() for s in copied} & parameter_ptrs(offloaded)
     assert stats(offloaded).kept_tensors["parameter"] > 0
+
+
+@pytest.mark.parametrize("prefetch_layers", [0, 1, 2])
+def test_device_memory_the_engine_holds_is_bounded_by_layers_not_depth(prefetch_layers):
+    """Forward: the sources of at most two layers' copies are held (the layer that just ran and
+    the one before, whose copy out may still be running). Backward: the layer being
+    differentiated plus `prefetch_layers` layers brought back ahead. Neither grows with depth."""
+    peaks = []
+    for depth in (5, 10):
+        model = tiny_model(num_hidden_layers=depth)
+        enable_sim(model, prefetch_layers=prefetch_layers)
+        for _ in range(2):
+            train_step(model, batch())
+        s = stats(model)
+        layer = s.max_layer_offloaded_bytes
+        assert s.layers_offloaded == depth - 1
+        assert s.peak_forward_held_bytes <= 2 * layer
+        assert s.peak_backward_held_bytes <= (1 + prefetch_layers) * layer
+        assert s.offloaded_bytes >= (depth - 1) * 0.9 * layer  # every layer offloaded about as much
+        peaks.append((s.peak_forward_held_bytes, s.peak_backward_held_bytes))
+    assert peaks[0] == peaks[1]

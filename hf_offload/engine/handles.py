@@ -12,61 +12,118 @@ import weakref
 
 import torch
 
-from .transfer import HostTransfer
+from . import ordering
 
 
 class HostLedger:
-    """Live host memory held by one offloader's copies."""
+    """Host and device memory held by one offloader, for the statistics."""
 
-    __slots__ = ("bytes_held", "copies_alive")
+    __slots__ = ("host_bytes", "copies_alive", "device_bytes", "peak_device_bytes")
 
     def __init__(self) -> None:
-        self.bytes_held = 0
+        self.host_bytes = 0
         self.copies_alive = 0
+        self.device_bytes = 0  # sources whose copy out is in flight, copies brought back ahead
+        self.peak_device_bytes = 0
+
+    def hold_device(self, nbytes: int) -> None:
+        self.device_bytes += nbytes
+        self.peak_device_bytes = max(self.peak_device_bytes, self.device_bytes)
 
 
 class HostCopy:
-    """The host copy of one device storage, shared by every handle that saved a view of it."""
+    """One device storage's trip to host memory and back, shared by every handle that saved a
+    view of it.
 
-    __slots__ = ("host", "device", "_transfer", "_ledger", "_restored", "__weakref__")
+    `source` is the device storage until its copy out has completed and been released;
+    `host` is the pooled host buffer once the copy out has been queued; `_ahead` is the
+    device storage brought back ahead of need, with the event of that copy.
+    """
 
-    def __init__(self, storage: torch.UntypedStorage, transfer: HostTransfer, ledger: HostLedger) -> None:
-        self.host = transfer.to_host(storage)
-        self.device = storage.device
-        self._transfer = transfer
-        self._ledger = ledger
-        # Weak, so that views unpacked by different backward nodes share one restored storage
-        # while any of them is alive, without this object keeping device memory alive.
+    __slots__ = (
+        "nbytes",
+        "source",
+        "host",
+        "_device",
+        "_ahead",
+        "_ahead_event",
+        "_ahead_waited",
+        "_restored",
+        "__weakref__",
+    )
+
+    def __init__(self, storage: torch.UntypedStorage, device) -> None:
+        self.nbytes = storage.nbytes()
+        self.source: torch.UntypedStorage | None = storage
+        self.host: torch.Tensor | None = None
+        self._device = device  # the DeviceContext: streams, pool, ledger
+        self._ahead: torch.UntypedStorage | None = None
+        self._ahead_event = None
+        self._ahead_waited = False
+        # Weak, so views unpacked by different backward nodes share one restored storage while
+        # any of them is alive, without this object keeping device memory alive.
         self._restored: weakref.ref[torch.UntypedStorage] | None = None
-        ledger.bytes_held += self.host.numel()
-        ledger.copies_alive += 1
+        device.ledger.copies_alive += 1
+
+    def needs_restore(self) -> bool:
+        if self.source is not None or self._ahead is not None:
+            return False
+        return self._restored is None or self._restored() is None
+
+    def set_ahead(self, storage: torch.UntypedStorage, event) -> None:
+        self._ahead, self._ahead_event, self._ahead_waited = storage, event, False
+        self._device.ledger.hold_device(self.nbytes)
+
+    def drop_ahead(self) -> None:
+        if self._ahead is None:
+            return
+        if not self._ahead_waited:
+            # Never used: the compute stream must still not reuse this memory before the copy
+            # into it has finished.
+            streams = self._device.streams
+            ordering.before_dropping_unused(streams, streams.compute_stream(), self._ahead_event)
+        self._ahead = self._ahead_event = None
+        self._device.ledger.device_bytes -= self.nbytes
+
+    def device_storage(self) -> torch.UntypedStorage:
+        if self.source is not None:  # still on the device: the copy out is in flight
+            return self.source
+        restored = self._restored() if self._restored is not None else None
+        if restored is not None:
+            return restored
+        if self._ahead is None:
+            self._device.restore_async([self])
+        storage = self._ahead
+        if not self._ahead_waited:
+            streams = self._device.streams
+            ordering.before_using_restored(streams, streams.compute_stream(), self._ahead_event)
+            self._ahead_waited = True
+        self._restored = weakref.ref(storage)
+        return storage
 
     def __del__(self) -> None:
-        self._ledger.bytes_held -= self.host.numel()
-        self._ledger.copies_alive -= 1
-
-    def restored_storage(self) -> torch.UntypedStorage:
-        storage = self._restored() if self._restored is not None else None
-        if storage is None:
-            storage = self._transfer.to_device(self.host, self.device)
-            self._restored = weakref.ref(storage)
-        return storage
+        self.drop_ahead()
+        if self.host is not None:
+            self._device.pool.release(self.host)
+            self._device.ledger.host_bytes -= self.nbytes
+        self._device.ledger.copies_alive -= 1
 
 
 class OffloadedTensor:
     """A saved tensor's metadata plus the host copy of its storage."""
 
-    __slots__ = ("copy", "dtype", "storage_offset", "shape", "stride")
+    __slots__ = ("copy", "group", "dtype", "storage_offset", "shape", "stride")
 
-    def __init__(self, copy: HostCopy, tensor: torch.Tensor) -> None:
+    def __init__(self, copy: HostCopy, group, tensor: torch.Tensor) -> None:
         self.copy = copy
+        self.group = group  # the layer call that saved it, for prefetching in backward
         self.dtype = tensor.dtype
         self.storage_offset = tensor.storage_offset()
         self.shape = tensor.shape
         self.stride = tensor.stride()
 
     def restore(self) -> torch.Tensor:
-        storage = self.copy.restored_storage()
+        storage = self.copy.device_storage()
         # Same storage offset, sizes and strides as the saved tensor: kernels in backward see
         # exactly the layout they would have seen without offloading.
         return torch.empty(0, dtype=self.dtype, device=storage.device).set_(

@@ -3,6 +3,16 @@
 Knows nothing about transformers. The caller (hf_offload.api) tells it, for each layer call,
 whether the module is training, which device the layer runs on, whether this call starts a
 forward pass, whether the layer keeps its activations, and which tensors are parameters.
+
+Forward: each offloaded layer call is a `LayerGroup`. Its pack hook decides per saved tensor
+and returns a handle; when the layer returns, one batch of copies to the host is queued on the
+copy stream (after the compute stream, by an event) and the sources stay referenced until the
+next layer has run, when the compute stream is made to wait for the batch and they are
+released. So at most two layers' offloaded activations are on the device at once.
+
+Backward: the first unpack of a group (the start of that layer's backward) brings back its own
+copies if they are not back yet and queues the copies of the next `prefetch_layers` groups that
+backward will need; groups backward has passed let go of what was brought back for them.
 """
 
 from __future__ import annotations
@@ -10,13 +20,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
+from . import ordering
 from .handles import HostCopy, HostLedger, OffloadedTensor
+from .pool import HostPool
 from .stats import LifetimeCounters, OffloadStats, StepCounters
-from .transfer import HostTransfer
+from .streams import flat_bytes, streams_for
 
 logger = logging.getLogger("hf_offload")
 
@@ -26,14 +39,18 @@ _NO_ACCELERATOR = (
 )
 
 
-def in_backward() -> bool:
-    """True while the autograd engine runs a backward pass on this thread.
+def current_backward_id() -> int:
+    """An id of the backward pass running on this thread, -1 outside backward.
 
     There is no public API for this; torch's own FSDP2 and ModuleTracker use the same private
-    call. A layer re-run during backward (a reentrant checkpoint's recompute) must not offload:
-    its tensors would be copied out and straight back.
+    call. It tells a layer re-run during backward (a reentrant checkpoint's recompute), which
+    must not offload, and tells one backward from the next (retain_graph) for prefetching.
     """
-    return torch._C._current_graph_task_id() != -1
+    return torch._C._current_graph_task_id()
+
+
+def in_backward() -> bool:
+    return current_backward_id() != -1
 
 
 def storage_ptrs(tensors: Iterable[torch.Tensor]) -> set[int]:
@@ -63,31 +80,194 @@ class _DedupEntry:
         return self.source() is storage and self.version == version
 
 
+class _InFlight:
+    """A batch of copies to the host whose sources must stay alive until it has finished."""
+
+    __slots__ = ("sources", "copies", "event", "nbytes")
+
+    def __init__(self, copies: list[HostCopy], event) -> None:
+        self.sources = [copy.source for copy in copies]
+        self.copies = [weakref.ref(copy) for copy in copies]
+        self.event = event
+        self.nbytes = sum(copy.nbytes for copy in copies)
+
+
+class DeviceContext:
+    """Streams, pinned pool and ledger for one device type."""
+
+    def __init__(self, device: torch.device, ledger: HostLedger) -> None:
+        self.streams = streams_for(device)
+        self.pool = HostPool(self.streams)
+        self.ledger = ledger
+
+    def offload_async(self, copies: list[HostCopy]) -> _InFlight:
+        streams = self.streams
+        hosts = [self.pool.acquire(copy.nbytes) for copy in copies]
+        ordering.before_offload_copies(streams, streams.compute_stream())
+        streams.copy_async([(host, flat_bytes(copy.source)) for host, copy in zip(hosts, copies, strict=True)])
+        batch = _InFlight(copies, streams.record(streams.copy_stream))
+        for host, copy in zip(hosts, copies, strict=True):
+            copy.host = host
+        self.ledger.host_bytes += batch.nbytes
+        self.ledger.hold_device(batch.nbytes)
+        return batch
+
+    def release(self, batch: _InFlight) -> None:
+        streams = self.streams
+        ordering.before_releasing_sources(streams, streams.compute_stream(), batch.event)
+        for ref in batch.copies:
+            copy = ref()
+            if copy is not None:
+                copy.source = None
+        batch.sources.clear()
+        self.ledger.device_bytes -= batch.nbytes
+
+    def restore_async(self, copies: Iterable[HostCopy]) -> int:
+        """Queue the copies back to the device of those not on it; returns how many."""
+        todo = [copy for copy in copies if copy.needs_restore()]
+        if not todo:
+            return 0
+        streams = self.streams
+        targets = [streams.device_buffer(copy.nbytes) for copy in todo]
+        ordering.before_restore_copies(streams, streams.compute_stream())
+        streams.copy_async([(target, copy.host) for target, copy in zip(targets, todo, strict=True)])
+        event = streams.record(streams.copy_stream)
+        for target, copy in zip(targets, todo, strict=True):
+            copy.set_ahead(target.untyped_storage(), event)
+        return len(todo)
+
+
+class LayerGroup:
+    """One offloaded layer call: its pack and unpack hooks and the host copies it made."""
+
+    __slots__ = (
+        "engine",
+        "device",
+        "device_type",
+        "sequence",
+        "keep",
+        "protected",
+        "copies",
+        "shared",
+        "prev",
+        "reached_in",
+        "calls",
+        "__weakref__",
+    )
+
+    def __init__(self, engine, device, device_type, sequence, keep, protected, prev) -> None:
+        self.engine = engine
+        self.device = device
+        self.device_type = device_type
+        self.sequence = sequence
+        self.keep = keep
+        self.protected = protected
+        self.copies: list[HostCopy] = []
+        self.shared: list[HostCopy] = []  # offloaded by an earlier group, saved here again
+        self.prev = prev  # weakref to the group created before this one: backward needs it next
+        self.reached_in = -1
+        self.calls = 0
+
+    def pack(self, tensor: torch.Tensor) -> object:
+        engine = self.engine
+        step = engine.step
+        self.calls += 1
+        engine.lifetime.pack_calls += 1
+        nbytes = tensor.nbytes
+        # Kept tensors are returned detached: returning a saved *output* itself would make a
+        # reference cycle through its grad_fn that keeps the whole graph alive.
+        if self.keep:
+            step.keep("kept_layer", nbytes)
+            return tensor.detach()
+        if isinstance(tensor, torch.nn.Parameter):
+            step.keep("parameter", nbytes)
+            return tensor.detach()
+        if (
+            type(tensor) is not torch.Tensor
+            or tensor.layout is not torch.strided
+            or tensor.device.type != self.device_type
+            or tensor.is_conj()
+            or tensor.is_neg()
+        ):
+            step.keep("unsupported", nbytes)
+            return tensor.detach()
+        storage = tensor.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr in self.protected or ptr in engine._pass_protected:
+            step.keep("parameter", nbytes)
+            return tensor.detach()
+        if nbytes < engine.min_offload_bytes or nbytes == 0:
+            step.keep("too_small", nbytes)
+            return tensor.detach()
+        version = tensor._version
+        entry = engine._offloaded_this_pass.get(ptr)
+        if entry is not None and entry.matches(storage, version):
+            copy = entry.copy()
+            if copy is not None:
+                step.keep("duplicate", nbytes)
+                if copy not in self.copies and copy not in self.shared:
+                    self.shared.append(copy)
+                return OffloadedTensor(copy, self, tensor)
+        copy = HostCopy(storage, self.device)
+        self.copies.append(copy)
+        engine._offloaded_this_pass[ptr] = _DedupEntry(storage, version, copy)
+        step.offloaded_tensors += 1
+        step.offloaded_bytes += copy.nbytes
+        return OffloadedTensor(copy, self, tensor)
+
+    def unpack(self, packed: object) -> torch.Tensor:
+        engine = self.engine
+        engine.lifetime.unpack_calls += 1
+        backward = current_backward_id()
+        if self.reached_in != backward:
+            self.reached_in = backward
+            engine._backward_reached(self, backward)
+        if isinstance(packed, torch.Tensor):
+            return packed
+        engine.step.restored_tensors += 1
+        return packed.restore()  # type: ignore[attr-defined]
+
+
 class ActivationOffloader:
-    def __init__(self, *, min_offload_bytes: int, simulate_on_cpu: bool) -> None:
+    def __init__(self, *, min_offload_bytes: int, simulate_on_cpu: bool, prefetch_layers: int = 1) -> None:
         self.min_offload_bytes = min_offload_bytes
         self.simulate_on_cpu = simulate_on_cpu
+        self.prefetch_layers = prefetch_layers
         self.ledger = HostLedger()
         self.step = StepCounters()
         self.lifetime = LifetimeCounters()
         self.mode = "idle"
-        self._transfers: dict[str, HostTransfer] = {}
+        self._devices: dict[str, DeviceContext] = {}
         self._offloaded_this_pass: dict[int, _DedupEntry] = {}
         self._pass_protected: set[int] = set()
+        self._in_flight: deque[tuple[DeviceContext, _InFlight]] = deque()
+        self._holding_ahead: list[weakref.ref[LayerGroup]] = []
+        self._last_group: weakref.ref[LayerGroup] | None = None
+        self._sequence = 0
+        self._backward_id = -1
         self._backward_since_step_start = False
         self._warned: set[str] = set()
 
-    def configure(self, *, min_offload_bytes: int, simulate_on_cpu: bool) -> None:
+    def configure(self, *, min_offload_bytes: int, simulate_on_cpu: bool, prefetch_layers: int = 1) -> None:
         self.min_offload_bytes = min_offload_bytes
         self.simulate_on_cpu = simulate_on_cpu
+        self.prefetch_layers = prefetch_layers
 
     def __deepcopy__(self, memo: dict) -> ActivationOffloader:
         # A deep-copied model (a DPO reference model, say) gets an offloader of its own with the
         # same options, never a share of this one's handles and counters.
-        return ActivationOffloader(min_offload_bytes=self.min_offload_bytes, simulate_on_cpu=self.simulate_on_cpu)
+        return ActivationOffloader(
+            min_offload_bytes=self.min_offload_bytes,
+            simulate_on_cpu=self.simulate_on_cpu,
+            prefetch_layers=self.prefetch_layers,
+        )
+
+    def device_context(self, device_type: str) -> DeviceContext | None:
+        return self._devices.get(device_type)
 
     def stats(self) -> OffloadStats:
         step, life = self.step, self.lifetime
+        pools = [context.pool for context in self._devices.values()]
         return OffloadStats(
             mode=self.mode,
             offloaded_tensors=step.offloaded_tensors,
@@ -95,13 +275,24 @@ class ActivationOffloader:
             kept_tensors=dict(step.kept_tensors),
             kept_bytes=dict(step.kept_bytes),
             restored_tensors=step.restored_tensors,
+            restored_on_demand=step.restored_on_demand,
+            restored_ahead=step.restored_ahead,
             layers_offloaded=step.layers_offloaded,
-            host_bytes_held=self.ledger.bytes_held,
+            max_layer_offloaded_bytes=step.max_layer_offloaded_bytes,
+            peak_forward_held_bytes=step.peak_forward_held_bytes,
+            peak_backward_held_bytes=step.peak_backward_held_bytes,
+            host_bytes_held=self.ledger.host_bytes,
             live_host_copies=self.ledger.copies_alive,
+            pool_bytes=sum(pool.owned_bytes for pool in pools),
+            pool_free_bytes=sum(pool.free_bytes for pool in pools),
+            pool_allocations=sum(pool.allocations for pool in pools),
             total_layer_scopes=life.layer_scopes,
             total_pack_calls=life.pack_calls,
             total_unpack_calls=life.unpack_calls,
         )
+
+    def note_no_accelerator(self) -> None:
+        self._warn_once("cpu", _NO_ACCELERATOR)
 
     @contextlib.contextmanager
     def layer_scope(
@@ -125,21 +316,42 @@ class ActivationOffloader:
             yield
             return
         if device.type == "cpu" and not self.simulate_on_cpu:
-            self._warn_once("cpu", _NO_ACCELERATOR)
+            self.note_no_accelerator()
             yield
             return
         if starts_pass:
             self._start_pass(pass_protected)
         self.mode = "cpu-simulation" if device.type == "cpu" else device.type
         self.lifetime.layer_scopes += 1
-        transfer = self._transfer_for(device)
-        packer = _LayerPacker(self, transfer, device, keep, storage_ptrs(protected()))
-        with torch.autograd.graph.saved_tensors_hooks(packer.pack, self._unpack):
-            yield
-        if keep:
+        context = self._devices.get(device.type)
+        if context is None:
+            context = self._devices[device.type] = DeviceContext(device, self.ledger)
+        self._sequence += 1
+        group = LayerGroup(
+            self, context, device.type, self._sequence, keep, storage_ptrs(protected()), self._last_group
+        )
+        self._last_group = weakref.ref(group)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(group.pack, group.unpack):
+                yield
+        finally:
+            self._finish_layer(group, context, name)
+
+    def _finish_layer(self, group: LayerGroup, context: DeviceContext, name: str) -> None:
+        # Queued even when the layer raised: handles made before the error must stay valid.
+        if group.copies:
+            self._in_flight.append((context, context.offload_async(group.copies)))
+        # Earlier batches have had this whole layer's compute to finish; release their sources.
+        while len(self._in_flight) > (1 if group.copies else 0):
+            owner, batch = self._in_flight.popleft()
+            owner.release(batch)
+        step = self.step
+        step.peak_forward_held_bytes = max(step.peak_forward_held_bytes, self.ledger.peak_device_bytes)
+        if group.keep:
             return
-        self.step.layers_offloaded += 1
-        if packer.calls == 0:
+        step.layers_offloaded += 1
+        step.max_layer_offloaded_bytes = max(step.max_layer_offloaded_bytes, sum(copy.nbytes for copy in group.copies))
+        if group.calls == 0:
             self._warn_once(
                 "shadowed",
                 f"hf_offload: decoder layer {name} saved no tensors through hf_offload's hooks, so nothing "
@@ -149,97 +361,55 @@ class ActivationOffloader:
                 "checkpoint inputs instead.",
             )
 
-    def note_no_accelerator(self) -> None:
-        self._warn_once("cpu", _NO_ACCELERATOR)
-
     def _start_pass(self, pass_protected: Callable[[], Iterable[torch.Tensor]]) -> None:
+        self._release_in_flight()
         if self._backward_since_step_start:
             self.step = StepCounters()
             self._backward_since_step_start = False
+        self.ledger.peak_device_bytes = self.ledger.device_bytes
         self._offloaded_this_pass.clear()
         self._pass_protected = storage_ptrs(pass_protected())
 
-    def _transfer_for(self, device: torch.device) -> HostTransfer:
-        transfer = self._transfers.get(device.type)
-        if transfer is None:
-            transfer = HostTransfer(pin=device.type != "cpu")
-            self._transfers[device.type] = transfer
-        return transfer
+    def _release_in_flight(self) -> None:
+        while self._in_flight:
+            owner, batch = self._in_flight.popleft()
+            owner.release(batch)
 
-    def _unpack(self, packed: object) -> torch.Tensor:
-        if isinstance(packed, torch.Tensor):
-            return packed
-        self.lifetime.unpack_calls += 1
-        self.step.restored_tensors += 1
-        self._backward_since_step_start = True
-        return packed.restore()  # type: ignore[attr-defined]
+    def _backward_reached(self, group: LayerGroup, backward: int) -> None:
+        """The backward pass has reached `group`: its layer's backward is starting."""
+        if backward != self._backward_id:
+            self._backward_id = backward
+            self._backward_since_step_start = True
+            self._release_in_flight()
+            self.ledger.peak_device_bytes = self.ledger.device_bytes
+        # Backward runs layers in reverse creation order: groups created after this one are done.
+        still_ahead = []
+        for ref in self._holding_ahead:
+            held = ref()
+            if held is None:
+                continue
+            if held.sequence > group.sequence:
+                for copy in held.copies + held.shared:
+                    copy.drop_ahead()
+            else:
+                still_ahead.append(ref)
+        self._holding_ahead = still_ahead
+        step = self.step
+        current: LayerGroup | None = group
+        for distance in range(self.prefetch_layers + 1):
+            if current is None:
+                break
+            restored = current.device.restore_async(current.copies + current.shared)
+            if restored:
+                if distance == 0:
+                    step.restored_on_demand += restored
+                else:
+                    step.restored_ahead += restored
+                self._holding_ahead.append(weakref.ref(current))
+            current = current.prev() if current.prev is not None else None
+        step.peak_backward_held_bytes = max(step.peak_backward_held_bytes, self.ledger.peak_device_bytes)
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
             self._warned.add(key)
             logger.warning(message)
-
-
-class _LayerPacker:
-    """The pack hook of one layer call."""
-
-    __slots__ = ("offloader", "transfer", "device", "keep", "protected", "calls")
-
-    def __init__(
-        self,
-        offloader: ActivationOffloader,
-        transfer: HostTransfer,
-        device: torch.device,
-        keep: bool,
-        protected: set[int],
-    ) -> None:
-        self.offloader = offloader
-        self.transfer = transfer
-        self.device = device
-        self.keep = keep
-        self.protected = protected
-        self.calls = 0
-
-    def pack(self, tensor: torch.Tensor) -> object:
-        offloader = self.offloader
-        step = offloader.step
-        self.calls += 1
-        offloader.lifetime.pack_calls += 1
-        nbytes = tensor.nbytes
-        # Kept tensors are returned detached: returning a saved *output* itself would make a
-        # reference cycle through its grad_fn that keeps the whole graph alive.
-        if self.keep:
-            step.keep("kept_layer", nbytes)
-            return tensor.detach()
-        if isinstance(tensor, torch.nn.Parameter):
-            step.keep("parameter", nbytes)
-            return tensor.detach()
-        if (
-            type(tensor) is not torch.Tensor
-            or tensor.layout is not torch.strided
-            or tensor.device != self.device
-            or tensor.is_conj()
-            or tensor.is_neg()
-        ):
-            step.keep("unsupported", nbytes)
-            return tensor.detach()
-        storage = tensor.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr in self.protected or ptr in offloader._pass_protected:
-            step.keep("parameter", nbytes)
-            return tensor.detach()
-        if nbytes < offloader.min_offload_bytes or nbytes == 0:
-            step.keep("too_small", nbytes)
-            return tensor.detach()
-        version = tensor._version
-        entry = offloader._offloaded_this_pass.get(ptr)
-        if entry is not None and entry.matches(storage, version):
-            copy = entry.copy()
-            if copy is not None:
-                step.keep("duplicate", nbytes)
-                return OffloadedTensor(copy, tensor)
-        copy = HostCopy(storage, self.transfer, offloader.ledger)
-        offloader._offloaded_this_pass[ptr] = _DedupEntry(storage, version, copy)
-        step.offloaded_tensors += 1
-        step.offloaded_bytes += storage.nbytes()
-        return OffloadedTensor(copy, tensor)

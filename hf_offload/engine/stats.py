@@ -15,7 +15,12 @@ class StepCounters:
     offloaded_tensors: int = 0
     offloaded_bytes: int = 0
     restored_tensors: int = 0
+    restored_on_demand: int = 0
+    restored_ahead: int = 0
     layers_offloaded: int = 0
+    max_layer_offloaded_bytes: int = 0
+    peak_forward_held_bytes: int = 0
+    peak_backward_held_bytes: int = 0
     kept_tensors: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KEEP_REASONS, 0))
     kept_bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KEEP_REASONS, 0))
 
@@ -38,8 +43,14 @@ class OffloadStats:
     """What the offloader did in the last training step (forward passes up to one backward).
 
     `duplicate` tensors share a storage already offloaded in the same forward pass: no second
-    copy was made, and their bytes count under `kept_bytes["duplicate"]`. `host_bytes_held`
-    and `live_host_copies` are read now, not at the end of the step.
+    copy was made, and their bytes count under `kept_bytes["duplicate"]`.
+
+    `restored_ahead` copies were brought back while a later layer's backward ran (prefetch);
+    `restored_on_demand` ones only when their own layer's backward began. `peak_*_held_bytes`
+    is the most device memory the engine itself kept referenced: sources of copies in flight
+    in forward, copies brought back ahead in backward. `host_bytes_held`, `live_host_copies`
+    and the `pool_*` fields are read now, not at the end of the step; `pool_allocations`
+    counts host buffers ever allocated (a pooled buffer is reused, not allocated again).
     """
 
     mode: str
@@ -48,9 +59,17 @@ class OffloadStats:
     kept_tensors: dict[str, int]
     kept_bytes: dict[str, int]
     restored_tensors: int
+    restored_on_demand: int
+    restored_ahead: int
     layers_offloaded: int
+    max_layer_offloaded_bytes: int
+    peak_forward_held_bytes: int
+    peak_backward_held_bytes: int
     host_bytes_held: int
     live_host_copies: int
+    pool_bytes: int
+    pool_free_bytes: int
+    pool_allocations: int
     total_layer_scopes: int
     total_pack_calls: int
     total_unpack_calls: int
@@ -67,7 +86,16 @@ class OffloadStats:
         for reason in KEEP_REASONS:
             if self.kept_tensors[reason]:
                 lines.append(f"kept ({reason}): {self.kept_tensors[reason]} tensors, {_human(self.kept_bytes[reason])}")
+        if self.restored_tensors:
+            lines.append(
+                f"brought back: {self.restored_ahead} copies ahead of need, {self.restored_on_demand} on demand"
+            )
+        lines.append(
+            f"device memory held by the engine at most: {_human(self.peak_forward_held_bytes)} in forward, "
+            f"{_human(self.peak_backward_held_bytes)} in backward"
+        )
         lines.append(f"host memory held now: {_human(self.host_bytes_held)} in {self.live_host_copies} copies")
+        lines.append(f"host buffer pool: {_human(self.pool_bytes)} ({_human(self.pool_free_bytes)} free)")
         return "\n".join(lines)
 
 

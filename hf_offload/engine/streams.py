@@ -1,0 +1,212 @@
+"""The stream and event operations the engine issues, for a real accelerator and for the CPU.
+
+The engine only ever does these things: ask for the compute stream, record an event on a
+stream, make a stream wait for an event, enqueue byte copies on the copy stream, ask whether an
+event has completed, and allocate device and host buffers. Two implementations:
+
+- `AcceleratorStreams`: CUDA first, and any device with `torch.Stream`/`torch.Event` support
+  (XPU, NPU, ...) through the device-generic `torch.accelerator` API.
+- `SimulatedStreams`: CPU tensors stand in for device tensors. With `schedule="eager"` every
+  copy runs at once (what `simulate_on_cpu=True` uses). With `"lazy"` or `"random"` it is a race
+  checker: copies queue up and run only when a wait forces them (or at random moments), and each
+  copy is checked against the orderings the engine actually issued, so a missing wait or a
+  source released too early corrupts the data and shows up as a wrong gradient.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+import weakref
+from collections import deque
+from collections.abc import Iterator
+
+import torch
+
+logger = logging.getLogger("hf_offload")
+
+GARBAGE_BYTE = 0xFF  # all-ones bytes are NaN in every floating dtype
+
+
+def flat_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A 1-D uint8 tensor over the whole storage, for copying it as raw bytes."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+class AcceleratorStreams:
+    """A dedicated copy stream beside the caller's compute stream on one accelerator."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.copy_stream = torch.Stream(device=device)
+        self.pinned = True
+
+    def compute_stream(self):
+        return torch.accelerator.current_stream(self.device)
+
+    def record(self, stream):
+        return stream.record_event()
+
+    def wait(self, stream, event) -> None:
+        stream.wait_event(event)
+
+    def copy_async(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Enqueue dst.copy_(src) for each pair on the copy stream."""
+        with self.copy_stream:
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+
+    def is_done(self, event) -> bool:
+        return event.query()
+
+    def device_buffer(self, nbytes: int) -> torch.Tensor:
+        # Allocated on the compute stream, which owns the memory; the copy stream writes into it
+        # only after waiting for the compute stream, and the compute stream reads it only after
+        # waiting for the copy.
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        if self.pinned:
+            try:
+                return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            except RuntimeError as error:
+                self.pinned = False
+                logger.warning(
+                    "hf_offload: pinned host memory unavailable (%s); using pageable memory, "
+                    "so copies to the host block the CPU until they finish",
+                    error,
+                )
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+
+class _SimStream:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.caught_up_to = 0  # the compute clock this stream has waited for
+
+    def __repr__(self) -> str:
+        return f"<simulated {self.name} stream>"
+
+
+class _SimEvent:
+    __slots__ = ("on_compute", "clock", "sequence")
+
+    def __init__(self, on_compute: bool, clock: int, sequence: int) -> None:
+        self.on_compute = on_compute
+        self.clock = clock  # compute events: the compute clock when recorded
+        self.sequence = sequence  # copy events: how many copies were queued before it
+
+
+class _SimCopy:
+    __slots__ = ("dst", "src", "ordered")
+
+    def __init__(self, dst: torch.Tensor, src: torch.Tensor, ordered: bool) -> None:
+        # Weak: a copy must not keep its memory alive; the engine has to.
+        self.dst = weakref.ref(dst.untyped_storage())
+        self.src = weakref.ref(src.untyped_storage())
+        self.ordered = ordered
+
+
+class SimulatedStreams:
+    """CPU stand-in for a device with a compute stream and a copy stream (see module docstring).
+
+    The compute stream is the CPU itself: it runs eagerly. The compute clock ticks whenever the
+    engine asks for the compute stream or allocates a device buffer, i.e. whenever compute may
+    have produced or released data since the engine last looked. A copy is *ordered* only if the
+    copy stream has waited for a compute event recorded at the current clock; an unordered copy,
+    a copy whose source was freed before it ran, writes garbage. A copy whose destination was
+    freed before it ran is recorded in `violations`.
+    """
+
+    def __init__(self, schedule: str = "eager", seed: int = 0) -> None:
+        if schedule not in ("eager", "lazy", "random"):
+            raise ValueError(f"schedule must be 'eager', 'lazy' or 'random', got {schedule!r}")
+        self.schedule = schedule
+        self._random = random.Random(seed)
+        self.compute = _SimStream("compute")
+        self.copy_stream = _SimStream("copy")
+        self.clock = 0
+        self.queued: deque[_SimCopy] = deque()
+        self.enqueued = 0
+        self.executed = 0
+        self.violations: list[str] = []
+        self.pinned = False
+
+    def compute_stream(self) -> _SimStream:
+        self.clock += 1
+        return self.compute
+
+    def record(self, stream: _SimStream) -> _SimEvent:
+        return _SimEvent(stream is self.compute, self.clock, self.enqueued)
+
+    def wait(self, stream: _SimStream, event: _SimEvent) -> None:
+        if stream is self.copy_stream and event.on_compute:
+            stream.caught_up_to = max(stream.caught_up_to, event.clock)
+        elif stream is self.compute and not event.on_compute:
+            self._run_until(event.sequence)  # the eager compute stream cannot go on before it
+
+    def copy_async(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        ordered = self.copy_stream.caught_up_to >= self.clock
+        for dst, src in pairs:
+            self.queued.append(_SimCopy(dst, src, ordered))
+            self.enqueued += 1
+        if self.schedule == "eager":
+            self._run_until(self.enqueued)
+        else:
+            self._maybe_progress()
+
+    def is_done(self, event: _SimEvent) -> bool:
+        if event.on_compute:
+            return True
+        self._maybe_progress()
+        return self.executed >= event.sequence
+
+    def device_buffer(self, nbytes: int) -> torch.Tensor:
+        self.clock += 1
+        return torch.full((nbytes,), GARBAGE_BYTE, dtype=torch.uint8)
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        return torch.full((nbytes,), GARBAGE_BYTE, dtype=torch.uint8)
+
+    def synchronize(self) -> None:
+        self._run_until(self.enqueued)
+
+    def _maybe_progress(self) -> None:
+        if self.schedule == "random" and self.queued and self._random.random() < 0.3:
+            self._run_until(self.executed + self._random.randint(1, len(self.queued)))
+
+    def _run_until(self, sequence: int) -> None:
+        while self.executed < sequence:
+            op = self.queued.popleft()
+            self.executed += 1
+            dst, src = op.dst(), op.src()
+            if dst is None:
+                self.violations.append("a copy wrote into memory that had already been freed")
+                continue
+            if op.ordered and src is not None:
+                flat_bytes(dst).copy_(flat_bytes(src))
+            else:
+                flat_bytes(dst).fill_(GARBAGE_BYTE)
+
+
+_simulation_schedule = {"schedule": "eager", "seed": 0}
+
+
+@contextlib.contextmanager
+def simulated_schedule(schedule: str, seed: int = 0) -> Iterator[None]:
+    """Within this block, engines that start simulating (`simulate_on_cpu=True`) use the race
+    checker with this schedule ("lazy" or "random") instead of running copies eagerly."""
+    SimulatedStreams(schedule)  # validates
+    previous = dict(_simulation_schedule)
+    _simulation_schedule.update(schedule=schedule, seed=seed)
+    try:
+        yield
+    finally:
+        _simulation_schedule.update(previous)
+
+
+def streams_for(device: torch.device):
+    if device.type == "cpu":
+        return SimulatedStreams(**_simulation_schedule)
+    return AcceleratorStreams(device)
