@@ -143,6 +143,12 @@ def enable_activation_offloading(model: nn.Module, **options: object) -> None:
         controller.configure(parsed)
     controller.adapter = _adapter
     _install(controller, layers)
+    if not target.training:
+        logger.info(
+            "hf_offload: %s is in eval mode; offloading engages once it trains (model.train(), which "
+            "Trainer calls) and does nothing in eval mode or under no_grad",
+            type(target).__name__,
+        )
     on_cpu = all(p.device.type == "cpu" for p in target.parameters())
     if on_cpu and not parsed.simulate_on_cpu:
         controller.engine.note_no_accelerator()

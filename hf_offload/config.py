@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 # Chosen by `python -m hf_offload.benchmarks.min_offload_bytes`: offloading and restoring one
@@ -12,6 +13,31 @@ from dataclasses import dataclass
 # below it (per-head statistics, masks, short rotary tables) are a negligible share of a
 # layer's activations at the sequence lengths where offloading matters.
 DEFAULT_MIN_OFFLOAD_BYTES = 512 * 1024
+
+# Share of the host memory available at enable time that offloading may use, split between
+# the processes of this host (torchrun and accelerate set LOCAL_WORLD_SIZE): the rest is left
+# for the data loader, the optimizer's host state and the other ranks.
+HOST_MEMORY_SHARE = 0.8
+
+
+def available_host_bytes() -> int:
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # not a POSIX system
+        import psutil
+
+        return psutil.virtual_memory().available
+
+
+def local_process_count() -> int:
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def default_max_host_bytes() -> int:
+    return int(available_host_bytes() * HOST_MEMORY_SHARE) // local_process_count()
 
 
 @dataclass(frozen=True)
@@ -25,6 +51,10 @@ class OffloadOptions:
     prefetch_layers: in backward, how many layers ahead of the one being differentiated have
         their activations copied back in advance. 0 copies each layer's back only when its
         backward starts (nothing overlaps); 1 hides the copies behind one layer's backward.
+    max_host_bytes: the most host memory offloaded activations may take. None (the default)
+        means 80% of the host memory available when offloading is enabled, divided by the
+        number of processes on this host (LOCAL_WORLD_SIZE). A tensor that would go over it
+        stays on the device, and one warning with the numbers is logged.
     simulate_on_cpu: treat CPU tensors as device tensors, copying them into separate host
         storage, so that the whole engine runs on a machine without an accelerator (tests, CI).
         It saves no memory.
@@ -33,12 +63,15 @@ class OffloadOptions:
     keep_last_layers: int = 1
     min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES
     prefetch_layers: int = 1
+    max_host_bytes: int | None = None
     simulate_on_cpu: bool = False
 
     def __post_init__(self) -> None:
         _require_int("keep_last_layers", self.keep_last_layers, minimum=0)
         _require_int("min_offload_bytes", self.min_offload_bytes, minimum=0)
         _require_int("prefetch_layers", self.prefetch_layers, minimum=0)
+        if self.max_host_bytes is not None:
+            _require_int("max_host_bytes", self.max_host_bytes, minimum=0, or_none=True)
         _require_bool("simulate_on_cpu", self.simulate_on_cpu)
 
     def engine_options(self) -> dict[str, object]:
@@ -47,6 +80,7 @@ class OffloadOptions:
             "min_offload_bytes": self.min_offload_bytes,
             "simulate_on_cpu": self.simulate_on_cpu,
             "prefetch_layers": self.prefetch_layers,
+            "max_host_bytes": default_max_host_bytes() if self.max_host_bytes is None else self.max_host_bytes,
         }
 
     @classmethod
@@ -64,12 +98,13 @@ class OffloadOptions:
         return cls(**kwargs)  # type: ignore[arg-type]
 
 
-def _require_int(name: str, value: object, *, minimum: int) -> None:
+def _require_int(name: str, value: object, *, minimum: int, or_none: bool = False) -> None:
+    valid = f"an int >= {minimum}" + (" or None" if or_none else "")
     # bool is an int subclass; `keep_last_layers=True` is a mistake, not 1.
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"option {name} must be an int >= {minimum}, got {value!r} ({type(value).__name__})")
+        raise TypeError(f"option {name} must be {valid}, got {value!r} ({type(value).__name__})")
     if value < minimum:
-        raise ValueError(f"option {name} must be an int >= {minimum}, got {value!r}")
+        raise ValueError(f"option {name} must be {valid}, got {value!r}")
 
 
 def _require_bool(name: str, value: object) -> None:

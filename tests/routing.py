@@ -19,9 +19,9 @@ def spy_host_copies(monkeypatch) -> Iterator[list[torch.UntypedStorage]]:
     copied: list[torch.UntypedStorage] = []
     original = DeviceContext.offload_async
 
-    def recording_offload_async(self, copies):
+    def recording_offload_async(self, copies, engine):
         copied.extend(copy.source for copy in copies)
-        return original(self, copies)
+        return original(self, copies, engine)
 
     monkeypatch.setattr(DeviceContext, "offload_async", recording_offload_async)
     yield copied

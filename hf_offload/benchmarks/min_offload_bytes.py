@@ -36,7 +36,7 @@ def time_offload(nbytes: int, repeats: int) -> float:
         group = LayerGroup(engine, context, "cpu", sequence, False, set(), None)
         start = time.perf_counter()
         handles = [group.pack(tensor) for tensor in tensors]
-        context.release(context.offload_async(group.copies))
+        context.release(context.offload_async(group.copies, engine))
         context.restore_async(group.copies)
         for handle in handles:
             handle.restore()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -100,9 +101,20 @@ class DeviceContext:
         self.pool = HostPool(self.streams)
         self.ledger = ledger
 
-    def offload_async(self, copies: list[HostCopy]) -> _InFlight:
+    def offload_async(self, copies: list[HostCopy], engine: ActivationOffloader) -> _InFlight | None:
         streams = self.streams
-        hosts = [self.pool.acquire(copy.nbytes) for copy in copies]
+        hosts, placed = [], []
+        for copy in copies:
+            try:
+                hosts.append(self.pool.acquire(copy.nbytes, engine.max_host_bytes))
+            except (RuntimeError, MemoryError) as error:
+                # The tensor simply stays on the device: its handle keeps the source.
+                engine.host_allocation_failed(copy, error)
+                continue
+            placed.append(copy)
+        if not placed:
+            return None
+        copies = placed
         ordering.before_offload_copies(streams, streams.compute_stream())
         streams.copy_async([(host, flat_bytes(copy.source)) for host, copy in zip(hosts, copies, strict=True)])
         batch = _InFlight(copies, streams.record(streams.copy_stream))
@@ -152,6 +164,7 @@ class LayerGroup:
         "prev",
         "reached_in",
         "calls",
+        "pending_bytes",
         "__weakref__",
     )
 
@@ -167,6 +180,7 @@ class LayerGroup:
         self.prev = prev  # weakref to the group created before this one: backward needs it next
         self.reached_in = -1
         self.calls = 0
+        self.pending_bytes = 0  # copies decided in this layer call, not yet given host memory
 
     def pack(self, tensor: torch.Tensor) -> object:
         engine = self.engine
@@ -199,6 +213,10 @@ class LayerGroup:
         if nbytes < engine.min_offload_bytes or nbytes == 0:
             step.keep("too_small", nbytes)
             return tensor.detach()
+        if engine.ledger.host_bytes + self.pending_bytes + storage.nbytes() > engine.max_host_bytes:
+            engine.over_budget(storage.nbytes(), self.pending_bytes)
+            step.keep("over_budget", nbytes)
+            return tensor.detach()
         version = tensor._version
         entry = engine._offloaded_this_pass.get(ptr)
         if entry is not None and entry.matches(storage, version):
@@ -210,6 +228,7 @@ class LayerGroup:
                 return OffloadedTensor(copy, self, tensor)
         copy = HostCopy(storage, self.device)
         self.copies.append(copy)
+        self.pending_bytes += copy.nbytes
         engine._offloaded_this_pass[ptr] = _DedupEntry(storage, version, copy)
         step.offloaded_tensors += 1
         step.offloaded_bytes += copy.nbytes
@@ -229,10 +248,18 @@ class LayerGroup:
 
 
 class ActivationOffloader:
-    def __init__(self, *, min_offload_bytes: int, simulate_on_cpu: bool, prefetch_layers: int = 1) -> None:
+    def __init__(
+        self,
+        *,
+        min_offload_bytes: int,
+        simulate_on_cpu: bool,
+        prefetch_layers: int = 1,
+        max_host_bytes: int = sys.maxsize,
+    ) -> None:
         self.min_offload_bytes = min_offload_bytes
         self.simulate_on_cpu = simulate_on_cpu
         self.prefetch_layers = prefetch_layers
+        self.max_host_bytes = max_host_bytes
         self.ledger = HostLedger()
         self.step = StepCounters()
         self.lifetime = LifetimeCounters()
@@ -248,10 +275,18 @@ class ActivationOffloader:
         self._backward_since_step_start = False
         self._warned: set[str] = set()
 
-    def configure(self, *, min_offload_bytes: int, simulate_on_cpu: bool, prefetch_layers: int = 1) -> None:
+    def configure(
+        self,
+        *,
+        min_offload_bytes: int,
+        simulate_on_cpu: bool,
+        prefetch_layers: int = 1,
+        max_host_bytes: int = sys.maxsize,
+    ) -> None:
         self.min_offload_bytes = min_offload_bytes
         self.simulate_on_cpu = simulate_on_cpu
         self.prefetch_layers = prefetch_layers
+        self.max_host_bytes = max_host_bytes
 
     def __deepcopy__(self, memo: dict) -> ActivationOffloader:
         # A deep-copied model (a DPO reference model, say) gets an offloader of its own with the
@@ -260,6 +295,7 @@ class ActivationOffloader:
             min_offload_bytes=self.min_offload_bytes,
             simulate_on_cpu=self.simulate_on_cpu,
             prefetch_layers=self.prefetch_layers,
+            max_host_bytes=self.max_host_bytes,
         )
 
     def device_context(self, device_type: str) -> DeviceContext | None:
@@ -286,9 +322,28 @@ class ActivationOffloader:
             pool_bytes=sum(pool.owned_bytes for pool in pools),
             pool_free_bytes=sum(pool.free_bytes for pool in pools),
             pool_allocations=sum(pool.allocations for pool in pools),
+            max_host_bytes=self.max_host_bytes,
             total_layer_scopes=life.layer_scopes,
             total_pack_calls=life.pack_calls,
             total_unpack_calls=life.unpack_calls,
+        )
+
+    def over_budget(self, nbytes: int, pending: int) -> None:
+        self._warn_once(
+            "budget",
+            f"hf_offload: host memory budget reached: {self.ledger.host_bytes + pending} bytes offloaded and "
+            f"{nbytes} more would exceed max_host_bytes={self.max_host_bytes}; tensors over the budget stay on "
+            "the device (counted as kept 'over_budget'). Raise max_host_bytes or free host memory to offload more.",
+        )
+
+    def host_allocation_failed(self, copy: HostCopy, error: BaseException) -> None:
+        self.step.offloaded_tensors -= 1
+        self.step.offloaded_bytes -= copy.nbytes
+        self.step.keep("no_host_memory", copy.nbytes)
+        self._warn_once(
+            "allocation",
+            f"hf_offload: could not allocate {copy.nbytes} bytes of host memory ({error}); tensors that cannot "
+            "get host memory stay on the device (counted as kept 'no_host_memory')",
         )
 
     def note_no_accelerator(self) -> None:
@@ -339,10 +394,11 @@ class ActivationOffloader:
 
     def _finish_layer(self, group: LayerGroup, context: DeviceContext, name: str) -> None:
         # Queued even when the layer raised: handles made before the error must stay valid.
-        if group.copies:
-            self._in_flight.append((context, context.offload_async(group.copies)))
+        batch = context.offload_async(group.copies, self) if group.copies else None
+        if batch is not None:
+            self._in_flight.append((context, batch))
         # Earlier batches have had this whole layer's compute to finish; release their sources.
-        while len(self._in_flight) > (1 if group.copies else 0):
+        while len(self._in_flight) > (1 if batch is not None else 0):
             owner, batch = self._in_flight.popleft()
             owner.release(batch)
         step = self.step
@@ -363,7 +419,9 @@ class ActivationOffloader:
 
     def _start_pass(self, pass_protected: Callable[[], Iterable[torch.Tensor]]) -> None:
         self._release_in_flight()
-        if self._backward_since_step_start:
+        # A new step begins after a backward, or when no graph of an earlier forward is alive
+        # any more (it was dropped, or its backward failed before reaching a decoder layer).
+        if self._backward_since_step_start or self.ledger.copies_alive == 0:
             self.step = StepCounters()
             self._backward_since_step_start = False
         self.ledger.peak_device_bytes = self.ledger.device_bytes

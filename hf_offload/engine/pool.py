@@ -20,15 +20,25 @@ class HostPool:
         self.owned_bytes = 0
         self.allocations = 0
 
-    def acquire(self, nbytes: int) -> torch.Tensor:
+    def acquire(self, nbytes: int, limit: int) -> torch.Tensor:
+        """A buffer of exactly `nbytes`; a new one only if the pool then owns at most `limit`
+        bytes, after giving back free buffers of other sizes if need be."""
         free = self._free.get(nbytes)
         if free:
             self.free_bytes -= nbytes
             return free.pop()
+        if self.owned_bytes + nbytes > limit:
+            self.trim()
         buffer = self._streams.host_buffer(nbytes)
         self.allocations += 1
         self.owned_bytes += nbytes
         return buffer
+
+    def trim(self) -> None:
+        """Give every free buffer back to the system."""
+        self.owned_bytes -= self.free_bytes
+        self.free_bytes = 0
+        self._free.clear()
 
     def release(self, buffer: torch.Tensor) -> None:
         self._free[buffer.numel()].append(buffer)

@@ -5,7 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 # Why a saved tensor stayed on the device instead of being offloaded.
-KEEP_REASONS = ("parameter", "too_small", "kept_layer", "duplicate", "unsupported")
+KEEP_REASONS = (
+    "parameter",
+    "too_small",
+    "kept_layer",
+    "duplicate",
+    "unsupported",
+    "over_budget",  # offloading it would have taken host memory past max_host_bytes
+    "no_host_memory",  # the host buffer could not be allocated
+)
 
 
 @dataclass
@@ -70,6 +78,7 @@ class OffloadStats:
     pool_bytes: int
     pool_free_bytes: int
     pool_allocations: int
+    max_host_bytes: int
     total_layer_scopes: int
     total_pack_calls: int
     total_unpack_calls: int
