@@ -130,6 +130,10 @@ def test_options_are_keyword_only():
         ({"min_offload_bytes": -5}, ValueError, "min_offload_bytes must be an int >= 0, got -5"),
         ({"min_offload_bytes": "1MB"}, TypeError, "min_offload_bytes must be an int >= 0, got '1MB' (str)"),
         ({"simulate_on_cpu": 1}, TypeError, "simulate_on_cpu must be True or False, got 1 (int)"),
+        ({"prefetch_layers": -1}, ValueError, "prefetch_layers must be an int >= 0, got -1"),
+        ({"prefetch_layers": None}, TypeError, "prefetch_layers must be an int >= 0, got None (NoneType)"),
+        ({"max_host_bytes": "8GB"}, TypeError, "max_host_bytes must be an int >= 0 or None, got '8GB' (str)"),
+        ({"max_host_bytes": -1}, ValueError, "max_host_bytes must be an int >= 0 or None, got -1"),
     ],
 )
 def test_bad_options_name_the_option_and_what_is_valid(options, error, fragment):
@@ -142,11 +146,14 @@ def test_bad_options_name_the_option_and_what_is_valid(options, error, fragment)
 
 def test_defaults():
     options = hf_offload.OffloadOptions()
-    assert (options.keep_last_layers, options.min_offload_bytes, options.simulate_on_cpu) == (
-        1,
-        DEFAULT_MIN_OFFLOAD_BYTES,
-        False,
+    assert options == hf_offload.OffloadOptions(
+        keep_last_layers=1,
+        min_offload_bytes=DEFAULT_MIN_OFFLOAD_BYTES,
+        prefetch_layers=1,
+        max_host_bytes=None,
+        simulate_on_cpu=False,
     )
+    assert DEFAULT_MIN_OFFLOAD_BYTES == 512 * 1024
 
 
 def test_stats_before_enable_is_a_clear_error():
