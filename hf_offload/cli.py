@@ -27,6 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(title="commands", dest="command", required=True, metavar="COMMAND")
     _add_demo_command(commands)
+    _add_estimate_command(commands)
+    _add_bench_command(commands)
     return parser
 
 
@@ -95,6 +97,119 @@ def _run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         device=args.device,
         seed=args.seed,
     )
+
+
+def _add_estimate_command(commands: argparse._SubParsersAction) -> None:
+    from .estimate import DTYPE_BYTES, PRESETS
+
+    estimate = commands.add_parser(
+        "estimate",
+        help="predict activation memory, what offloading saves, and whether its copies hide behind compute",
+        description=(
+            "Predict the activation bytes a decoder-only model saves per layer and in total, the device memory "
+            "offloading saves, the host memory it needs, and whether one layer's copies fit in one layer's "
+            "compute. Nothing is run or downloaded."
+        ),
+    )
+    source = estimate.add_mutually_exclusive_group()
+    source.add_argument(
+        "--preset", choices=sorted(PRESETS), default="llama-3-8b", help="a common model shape (default llama-3-8b)"
+    )
+    source.add_argument(
+        "--model", type=_local_model_dir, metavar="PATH", help="local model directory with a config.json"
+    )
+    estimate.add_argument("--seq-len", type=_int_at_least(1, "seq-len"), default=8192, help="default 8192")
+    estimate.add_argument("--batch-size", type=_int_at_least(1, "batch-size"), default=1, help="default 1")
+    estimate.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16", help="default bf16")
+    estimate.add_argument("--checkpointing", action="store_true", help="gradient checkpointing on")
+    estimate.add_argument(
+        "--lora-rank", type=_int_at_least(1, "lora-rank"), default=None, help="LoRA on every linear layer"
+    )
+    estimate.add_argument(
+        "--lora-dtype", choices=sorted(DTYPE_BYTES), default=None, help="adapter dtype (default: --dtype)"
+    )
+    estimate.add_argument("--keep-last-layers", type=_int_at_least(0, "keep-last-layers"), default=1)
+    estimate.add_argument(
+        "--link-gbps", type=_positive_float("link-gbps"), default=25.0, help="host link GB/s per direction (25)"
+    )
+    estimate.add_argument(
+        "--tflops", type=_positive_float("tflops"), default=200.0, help="sustained TFLOP/s of the device (200)"
+    )
+    estimate.set_defaults(run=_run_estimate, command_parser=estimate)
+
+
+def _run_estimate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from .estimate import DTYPE_BYTES, PRESETS, Shape, estimate, format_estimate
+
+    try:
+        shape = Shape.from_path(args.model) if args.model else PRESETS[args.preset]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        parser.error(f"argument --model: cannot read a decoder-only config from {str(args.model)!r}: {error}")
+    result = estimate(
+        shape,
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
+        dtype_bytes=DTYPE_BYTES[args.dtype],
+        checkpointing=args.checkpointing,
+        lora_rank=args.lora_rank,
+        lora_dtype_bytes=DTYPE_BYTES[args.lora_dtype] if args.lora_dtype else None,
+        keep_last_layers=args.keep_last_layers,
+        link_gbps=args.link_gbps,
+        tflops=args.tflops,
+    )
+    print(format_estimate(result, link_gbps=args.link_gbps, tflops=args.tflops))
+    return 0
+
+
+def _add_bench_command(commands: argparse._SubParsersAction) -> None:
+    from .bench import MODES, PRESET_CONFIGS
+
+    bench = commands.add_parser(
+        "bench",
+        help="sweep sequence lengths under each memory-saving mode: memory, speed, JSON, table and plot",
+        description=(
+            "Measure peak memory (on CUDA; byte accounting on the CPU), step time and tokens/s over sequence "
+            "lengths for: no offloading, hf_offload, checkpointing, checkpointing + hf_offload, transformers' "
+            "offload=True and TRL's offloading (when trl is installed). A mode stops at its first out-of-memory."
+        ),
+    )
+    bench.add_argument("--preset", choices=sorted(PRESET_CONFIGS), default=None, help="tiny on CPU, 1b on CUDA")
+    bench.add_argument("--model", type=_local_model_dir, metavar="PATH", help="local model directory or config")
+    bench.add_argument("--seq-lens", type=_int_at_least(2, "seq-lens"), nargs="+", default=[256, 512, 1024, 2048])
+    bench.add_argument("--batch-size", type=_int_at_least(1, "batch-size"), default=1)
+    bench.add_argument("--steps", type=_int_at_least(1, "steps"), default=3, help="timed steps after a warm-up")
+    bench.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    bench.add_argument("--dtype", choices=["fp32", "bf16"], default=None, help="bf16 on CUDA, fp32 on CPU")
+    bench.add_argument("--lora-rank", type=_int_at_least(1, "lora-rank"), default=None, help="LoRA on all linears")
+    bench.add_argument("--device", type=_available_device, default=_default_device())
+    bench.add_argument(
+        "--min-offload-bytes", type=_int_at_least(0, "min-offload-bytes"), default=None, help="hf_offload's option"
+    )
+    bench.add_argument("--out", default="bench_out", help="directory for bench.json, bench.md, bench.png")
+    bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bench.set_defaults(run=_run_bench, command_parser=bench)
+
+
+def _run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from .bench import run_bench
+
+    if args.dtype is None:
+        args.dtype = "bf16" if args.device.type == "cuda" else "fp32"
+    return run_bench(args)
+
+
+def _positive_float(name: str) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{name} must be > 0, got {value}")
+        return value
+
+    parse.__name__ = name
+    return parse
 
 
 def _int_at_least(minimum: int, name: str) -> Callable[[str], int]:

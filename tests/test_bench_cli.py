@@ -1,0 +1,90 @@
+"""`hf-offload bench` and `hf-offload estimate` from the command line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+import hf_offload.bench as bench
+from hf_offload.cli import main
+
+
+def run_bench(tmp_path, *extra):
+    argv = ["bench", "--seq-lens", "32", "64", "--steps", "1", "--no-progress", "--out", str(tmp_path), *extra]
+    assert main(argv) == 0
+    return json.loads((tmp_path / "bench.json").read_text())
+
+
+def test_bench_writes_json_table_and_plot(tmp_path):
+    result = run_bench(
+        tmp_path,
+        "--modes",
+        "none",
+        "hf_offload",
+        "checkpointing",
+        "checkpointing+hf_offload",
+        "--min-offload-bytes",
+        "0",
+    )
+    records = {(r["mode"], r["seq_len"]): r for r in result["records"]}
+    assert len(records) == 8 and all(r["status"] == "ok" for r in records.values())
+    assert "CPU (byte accounting" in result["setup"]
+    for seq in (32, 64):
+        none, ours = records["none", seq], records["hf_offload", seq]
+        assert ours["offloaded_bytes"] > 0 and ours["host_bytes"] >= ours["offloaded_bytes"]
+        assert ours["resident_activation_bytes"] < none["resident_activation_bytes"]
+        assert records["checkpointing", seq]["resident_activation_bytes"] < none["resident_activation_bytes"]
+        assert none["peak_device_bytes"] is None  # no device memory on the CPU: not invented
+        assert none["tokens_per_second"] > 0
+    # Resident bytes grow with the sequence without offloading.
+    assert records["none", 64]["resident_activation_bytes"] > 1.8 * records["none", 32]["resident_activation_bytes"]
+    assert (tmp_path / "bench.png").stat().st_size > 10_000
+    table = (tmp_path / "bench.md").read_text()
+    assert "| hf_offload | 64 |" in table
+
+
+def test_a_mode_stops_at_its_first_out_of_memory(tmp_path, monkeypatch):
+    measure = bench._measure
+
+    def out_of_memory_from_64(model, mode, seq_len, *args):
+        if mode == "hf_offload" and seq_len >= 64:
+            raise torch.OutOfMemoryError("simulated")
+        return measure(model, mode, seq_len, *args)
+
+    monkeypatch.setattr(bench, "_measure", out_of_memory_from_64)
+    result = run_bench(tmp_path, "--seq-lens", "32", "64", "128", "--modes", "none", "hf_offload")
+    statuses = {(r["mode"], r["seq_len"]): r["status"] for r in result["records"]}
+    assert statuses["hf_offload", 32] == "ok"
+    assert statuses["hf_offload", 64] == "oom"
+    assert statuses["hf_offload", 128] == "skipped: out of memory at a shorter length"
+    assert statuses["none", 128] == "ok"
+
+
+def test_estimate_from_a_preset_and_from_a_local_config(tmp_path, capsys):
+    assert main(["estimate", "--preset", "llama-3-8b", "--seq-len", "8192"]) == 0
+    out = capsys.readouterr().out
+    assert "activations saved per layer: 1.53 GiB" in out and "hide behind compute" in out
+    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4).save_pretrained(
+        tmp_path
+    )
+    assert main(["estimate", "--model", str(tmp_path), "--seq-len", "128", "--checkpointing"]) == 0
+    assert "llama: 2 layers, hidden 64, 128 tokens per step" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv,fragment",
+    [
+        (["estimate", "--seq-len", "0"], "seq-len must be >= 1, got 0"),
+        (["estimate", "--link-gbps", "-3"], "link-gbps must be > 0, got -3.0"),
+        (["estimate", "--preset", "gpt-5"], "invalid choice: 'gpt-5'"),
+        (["bench", "--modes", "fast"], "invalid choice: 'fast'"),
+    ],
+)
+def test_bad_arguments_are_named(argv, fragment, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert fragment in capsys.readouterr().err
