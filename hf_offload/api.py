@@ -53,7 +53,12 @@ class _LayerSlot:
         self.previous_forward = previous_forward
 
 
-def _first_tensor_device(args: tuple, kwargs: dict) -> torch.device | None:
+def _layer_device(layer: nn.Module, args: tuple, kwargs: dict) -> torch.device | None:
+    """Where the layer computes: its parameters' device. Inputs can still be on the previous
+    layer's device when accelerate's hooks (device_map="auto") move them inside the call."""
+    for parameter in layer.parameters():
+        if parameter.device.type != "meta":
+            return parameter.device
     for value in itertools.chain(args, kwargs.values()):
         if isinstance(value, torch.Tensor):
             return value.device
@@ -70,7 +75,7 @@ def _offloaded_forward(self: nn.Module, *args, **kwargs):
     keep = slot.position >= len(controller.layers) - controller.options.keep_last_layers
     with controller.engine.layer_scope(
         training=self.training,
-        device=_first_tensor_device(args, kwargs),
+        device=_layer_device(self, args, kwargs),
         starts_pass=slot.position == 0,
         keep=keep,
         protected=lambda: itertools.chain(self.parameters(), self.buffers()),
@@ -78,6 +83,15 @@ def _offloaded_forward(self: nn.Module, *args, **kwargs):
         name=f"{slot.position} ({type(self).__name__})",
     ):
         return forward(*args, **kwargs)
+
+
+def _replicate_with_offloading(self: nn.Module) -> nn.Module:
+    # nn.DataParallel copies each module's __dict__ into a replica, which would carry a forward
+    # still bound to this layer (and its weights on the first GPU). Rebind it to the replica.
+    replica = type(self)._replicate_for_data_parallel(self)
+    replica.forward = types.MethodType(_offloaded_forward, replica)
+    replica._replicate_for_data_parallel = types.MethodType(_replicate_with_offloading, replica)
+    return replica
 
 
 def _unwrap(model: object) -> nn.Module:
@@ -93,11 +107,13 @@ def _unwrap(model: object) -> nn.Module:
 
 
 def _install(controller: _Controller, layers: Sequence[nn.Module]) -> None:
-    for position, layer in enumerate(layers):
+    unique = list(dict.fromkeys(layers))  # a layer listed twice must not wrap its own wrapper
+    for position, layer in enumerate(unique):
         previous = layer.__dict__.get("forward")
         setattr(layer, LAYER_STATE_ATTR, _LayerSlot(controller, position, previous))
         layer.forward = types.MethodType(_offloaded_forward, layer)
-    controller.layers = list(layers)
+        layer._replicate_for_data_parallel = types.MethodType(_replicate_with_offloading, layer)
+    controller.layers = unique
 
 
 def _uninstall(controller: _Controller) -> None:
@@ -112,6 +128,7 @@ def _uninstall(controller: _Controller) -> None:
             else:
                 layer.forward = slot.previous_forward
             delattr(layer, LAYER_STATE_ATTR)
+            layer.__dict__.pop("_replicate_for_data_parallel", None)
         else:
             # Something wrapped our wrapper after we installed it; removing ours would break its
             # chain, so ours stays as a pass-through.

@@ -79,11 +79,28 @@ def test_a_storage_modified_in_place_between_saves_is_copied_again():
 
 
 def test_version_guard_is_what_keeps_in_place_modification_exact(monkeypatch):
-    """Companion: matching on identity alone reuses the stale copy and the gradient is wrong."""
+    """Companion: matching on identity alone hands layer 2 the copy of the tensor as it was
+    before the in-place change, which backward must not use."""
     monkeypatch.setattr(
         offloader_module._DedupEntry, "matches", lambda self, storage, version: self.source() is storage
     )
-    assert not torch.equal(grad_of_modified_between_saves(None), grad_of_modified_between_saves(new_engine()))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        grad_of_modified_between_saves(new_engine())
+
+
+def test_in_place_change_of_a_saved_tensor_is_reported_like_autograd_does():
+    def body(engine):
+        x = torch.randn(1024, requires_grad=True)
+        with scope(engine) if engine is not None else contextlib.nullcontext():
+            a = x * 2
+            b = a.sin()  # saves `a`
+            a.mul_(3)  # ...which backward then needs in its old state
+        b.sum().backward()
+
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        body(None)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation.*hf_offload"):
+        body(new_engine())
 
 
 def _reused_address_grad(engine):

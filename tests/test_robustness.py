@@ -217,3 +217,46 @@ def test_hundred_steps_flat_memory_and_identical_results():
     assert len(set(pool[1:])) == 1, "the host pool kept growing"
     assert max(rss[20:]) - min(rss[20:]) < 16 * 2**20, "process memory grew"
     assert_nothing_held(offloaded)
+
+
+def test_pool_reuses_buffers_across_varying_sequence_lengths():
+    """Dynamic padding gives every step a different length; power-of-two buffers keep the pool
+    from growing with each new length."""
+    model = tiny_model()
+    enable_sim(model)
+    lengths = [16, 12, 9, 15, 11, 13, 10, 14]
+    for seq in lengths:
+        train_step(model, batch(seed=seq, seq=seq))
+    first_round = stats(model)
+    for seq in reversed(lengths):
+        train_step(model, batch(seed=seq, seq=seq))
+    second_round = stats(model)
+    assert second_round.pool_allocations == first_round.pool_allocations
+    assert second_round.pool_bytes == first_round.pool_bytes
+    assert second_round.host_bytes_held == 0
+
+
+def test_data_parallel_replicas_run_their_own_weights():
+    model = tiny_model()
+    enable_sim(model)
+    layer = model.model.layers[0]
+    replica = layer._replicate_for_data_parallel()
+    assert replica.forward.__self__ is replica, "a replica's forward must not run the original layer"
+    assert replica._replicate_for_data_parallel().forward.__self__ is not layer
+    model.disable_activation_offloading()
+    assert "_replicate_for_data_parallel" not in layer.__dict__
+
+
+def test_a_layer_listed_twice_is_wrapped_once():
+    hf_offload.register_adapter("qwen3", lambda model: [*model.model.layers, model.model.layers[0]])
+    try:
+        plain = tiny_model("qwen3")
+        model = twin(plain)
+        enable_sim(model)
+        expected_loss, expected = train_step(plain, batch())
+        loss, actual = train_step(model, batch())
+        assert torch.equal(expected_loss, loss)
+        assert_bit_identical(expected, actual)
+        assert stats(model).total_layer_scopes == 3
+    finally:
+        hf_offload.unregister_adapter("qwen3")

@@ -44,6 +44,10 @@ class HostCopy:
         "nbytes",
         "source",
         "host",
+        "host_block",
+        "version",
+        "version_probe",
+        "modified",
         "_device",
         "_ahead",
         "_ahead_event",
@@ -52,10 +56,17 @@ class HostCopy:
         "__weakref__",
     )
 
-    def __init__(self, storage: torch.UntypedStorage, device) -> None:
+    def __init__(self, tensor: torch.Tensor, storage: torch.UntypedStorage, device) -> None:
         self.nbytes = storage.nbytes()
         self.source: torch.UntypedStorage | None = storage
-        self.host: torch.Tensor | None = None
+        self.host: torch.Tensor | None = None  # the first `nbytes` bytes of `host_block`
+        self.host_block: torch.Tensor | None = None  # the pooled buffer
+        # Autograd cannot check versions through saved-tensor hooks. A detached view shares the
+        # tensor's version counter, so an in-place change before the copy out has finished is
+        # caught here and reported on unpack, as autograd itself would.
+        self.version = tensor._version
+        self.version_probe: torch.Tensor | None = tensor.detach()
+        self.modified = False
         self._device = device  # the DeviceContext: streams, pool, ledger
         self._ahead: torch.UntypedStorage | None = None
         self._ahead_event = None
@@ -85,7 +96,17 @@ class HostCopy:
         self._ahead = self._ahead_event = None
         self._device.ledger.device_bytes -= self.nbytes
 
+    def check_unmodified(self) -> None:
+        if self.version_probe is not None and self.version_probe._version != self.version:
+            self.modified = True
+
     def device_storage(self) -> torch.UntypedStorage:
+        if self.modified:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace "
+                f"operation: a tensor of {self.nbytes} bytes saved for backward was changed in place after it "
+                f"was saved (version {self.version}); detected by hf_offload"
+            )
         if self.source is not None:  # still on the device: the copy out is in flight
             return self.source
         restored = self._restored() if self._restored is not None else None
@@ -103,9 +124,9 @@ class HostCopy:
 
     def __del__(self) -> None:
         self.drop_ahead()
-        if self.host is not None:
-            self._device.pool.release(self.host)
-            self._device.ledger.host_bytes -= self.nbytes
+        if self.host_block is not None:
+            self._device.pool.release(self.host_block)
+            self._device.ledger.host_bytes -= self.host_block.numel()
         self._device.ledger.copies_alive -= 1
 
 

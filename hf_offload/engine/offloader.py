@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
+import threading
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -28,7 +29,7 @@ import torch
 
 from . import ordering
 from .handles import HostCopy, HostLedger, OffloadedTensor
-from .pool import HostPool
+from .pool import HostPool, rounded_size
 from .stats import LifetimeCounters, OffloadStats, StepCounters
 from .streams import flat_bytes, streams_for
 
@@ -94,7 +95,8 @@ class _InFlight:
 
 
 class DeviceContext:
-    """Streams, pinned pool and ledger for one device type."""
+    """Streams, pinned pool and ledger for one device (a model split over several GPUs gets one
+    copy stream and one pool per GPU)."""
 
     def __init__(self, device: torch.device, ledger: HostLedger) -> None:
         self.streams = streams_for(device)
@@ -116,11 +118,15 @@ class DeviceContext:
             return None
         copies = placed
         ordering.before_offload_copies(streams, streams.compute_stream())
-        streams.copy_async([(host, flat_bytes(copy.source)) for host, copy in zip(hosts, copies, strict=True)])
+        for copy in copies:
+            copy.check_unmodified()
+        pairs = [(host[: copy.nbytes], flat_bytes(copy.source)) for host, copy in zip(hosts, copies, strict=True)]
+        streams.copy_async(pairs)
         batch = _InFlight(copies, streams.record(streams.copy_stream))
         for host, copy in zip(hosts, copies, strict=True):
-            copy.host = host
-        self.ledger.host_bytes += batch.nbytes
+            copy.host_block = host
+            copy.host = host[: copy.nbytes]
+            self.ledger.host_bytes += host.numel()
         self.ledger.hold_device(batch.nbytes)
         return batch
 
@@ -130,7 +136,8 @@ class DeviceContext:
         for ref in batch.copies:
             copy = ref()
             if copy is not None:
-                copy.source = None
+                copy.check_unmodified()
+                copy.source = copy.version_probe = None
         batch.sources.clear()
         self.ledger.device_bytes -= batch.nbytes
 
@@ -155,7 +162,7 @@ class LayerGroup:
     __slots__ = (
         "engine",
         "device",
-        "device_type",
+        "device_id",
         "sequence",
         "keep",
         "protected",
@@ -168,10 +175,10 @@ class LayerGroup:
         "__weakref__",
     )
 
-    def __init__(self, engine, device, device_type, sequence, keep, protected, prev) -> None:
+    def __init__(self, engine, device, device_id, sequence, keep, protected, prev) -> None:
         self.engine = engine
         self.device = device
-        self.device_type = device_type
+        self.device_id = device_id  # the torch.device this layer runs on
         self.sequence = sequence
         self.keep = keep
         self.protected = protected
@@ -199,7 +206,7 @@ class LayerGroup:
         if (
             type(tensor) is not torch.Tensor
             or tensor.layout is not torch.strided
-            or tensor.device.type != self.device_type
+            or tensor.device != self.device_id
             or tensor.is_conj()
             or tensor.is_neg()
         ):
@@ -213,10 +220,6 @@ class LayerGroup:
         if nbytes < engine.min_offload_bytes or nbytes == 0:
             step.keep("too_small", nbytes)
             return tensor.detach()
-        if engine.ledger.host_bytes + self.pending_bytes + storage.nbytes() > engine.max_host_bytes:
-            engine.over_budget(storage.nbytes(), self.pending_bytes)
-            step.keep("over_budget", nbytes)
-            return tensor.detach()
         version = tensor._version
         entry = engine._offloaded_this_pass.get(ptr)
         if entry is not None and entry.matches(storage, version):
@@ -226,9 +229,14 @@ class LayerGroup:
                 if copy not in self.copies and copy not in self.shared:
                     self.shared.append(copy)
                 return OffloadedTensor(copy, self, tensor)
-        copy = HostCopy(storage, self.device)
+        needed = rounded_size(storage.nbytes())
+        if engine.ledger.host_bytes + self.pending_bytes + needed > engine.max_host_bytes:
+            engine.over_budget(needed, self.pending_bytes)
+            step.keep("over_budget", nbytes)
+            return tensor.detach()
+        copy = HostCopy(tensor, storage, self.device)
         self.copies.append(copy)
-        self.pending_bytes += copy.nbytes
+        self.pending_bytes += needed
         engine._offloaded_this_pass[ptr] = _DedupEntry(storage, version, copy)
         step.offloaded_tensors += 1
         step.offloaded_bytes += copy.nbytes
@@ -240,7 +248,8 @@ class LayerGroup:
         backward = current_backward_id()
         if self.reached_in != backward:
             self.reached_in = backward
-            engine._backward_reached(self, backward)
+            with engine._lock:
+                engine._backward_reached(self, backward)
         if isinstance(packed, torch.Tensor):
             return packed
         engine.step.restored_tensors += 1
@@ -264,7 +273,10 @@ class ActivationOffloader:
         self.step = StepCounters()
         self.lifetime = LifetimeCounters()
         self.mode = "idle"
-        self._devices: dict[str, DeviceContext] = {}
+        self._devices: dict[torch.device, DeviceContext] = {}
+        # Several threads may run layers at once (nn.DataParallel replicas, autograd's device
+        # threads): the state shared between layer calls changes under this lock.
+        self._lock = threading.RLock()
         self._offloaded_this_pass: dict[int, _DedupEntry] = {}
         self._pass_protected: set[int] = set()
         self._in_flight: deque[tuple[DeviceContext, _InFlight]] = deque()
@@ -298,8 +310,8 @@ class ActivationOffloader:
             max_host_bytes=self.max_host_bytes,
         )
 
-    def device_context(self, device_type: str) -> DeviceContext | None:
-        return self._devices.get(device_type)
+    def device_context(self, device: str | torch.device) -> DeviceContext | None:
+        return self._devices.get(torch.device(device))
 
     def stats(self) -> OffloadStats:
         step, life = self.step, self.lifetime
@@ -374,23 +386,23 @@ class ActivationOffloader:
             self.note_no_accelerator()
             yield
             return
-        if starts_pass:
-            self._start_pass(pass_protected)
-        self.mode = "cpu-simulation" if device.type == "cpu" else device.type
-        self.lifetime.layer_scopes += 1
-        context = self._devices.get(device.type)
-        if context is None:
-            context = self._devices[device.type] = DeviceContext(device, self.ledger)
-        self._sequence += 1
-        group = LayerGroup(
-            self, context, device.type, self._sequence, keep, storage_ptrs(protected()), self._last_group
-        )
-        self._last_group = weakref.ref(group)
+        with self._lock:
+            if starts_pass:
+                self._start_pass(pass_protected)
+            self.mode = "cpu-simulation" if device.type == "cpu" else device.type
+            self.lifetime.layer_scopes += 1
+            context = self._devices.get(device)
+            if context is None:
+                context = self._devices[device] = DeviceContext(device, self.ledger)
+            self._sequence += 1
+            group = LayerGroup(self, context, device, self._sequence, keep, storage_ptrs(protected()), self._last_group)
+            self._last_group = weakref.ref(group)
         try:
             with torch.autograd.graph.saved_tensors_hooks(group.pack, group.unpack):
                 yield
         finally:
-            self._finish_layer(group, context, name)
+            with self._lock:
+                self._finish_layer(group, context, name)
 
     def _finish_layer(self, group: LayerGroup, context: DeviceContext, name: str) -> None:
         # Queued even when the layer raised: handles made before the error must stay valid.

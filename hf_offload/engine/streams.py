@@ -66,6 +66,10 @@ class AcceleratorStreams:
         # waiting for the copy.
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
+    def empty_host_cache(self) -> None:
+        # torch caches freed pinned blocks itself; dropping our references alone frees nothing.
+        torch.accelerator.empty_host_cache()
+
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         if self.pinned:
             try:
@@ -99,13 +103,26 @@ class _SimEvent:
 
 
 class _SimCopy:
-    __slots__ = ("dst", "src", "ordered")
+    __slots__ = ("dst", "dst_offset", "src", "src_offset", "nbytes", "ordered")
 
     def __init__(self, dst: torch.Tensor, src: torch.Tensor, ordered: bool) -> None:
         # Weak: a copy must not keep its memory alive; the engine has to.
         self.dst = weakref.ref(dst.untyped_storage())
         self.src = weakref.ref(src.untyped_storage())
+        self.dst_offset, self.src_offset = dst.storage_offset(), src.storage_offset()
+        self.nbytes = dst.numel()
         self.ordered = ordered
+
+    def run(self, violations: list[str]) -> None:
+        dst, src = self.dst(), self.src()
+        if dst is None:
+            violations.append("a copy wrote into memory that had already been freed")
+            return
+        target = flat_bytes(dst)[self.dst_offset : self.dst_offset + self.nbytes]
+        if self.ordered and src is not None:
+            target.copy_(flat_bytes(src)[self.src_offset : self.src_offset + self.nbytes])
+        else:
+            target.fill_(GARBAGE_BYTE)
 
 
 class SimulatedStreams:
@@ -169,6 +186,9 @@ class SimulatedStreams:
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         return torch.full((nbytes,), GARBAGE_BYTE, dtype=torch.uint8)
 
+    def empty_host_cache(self) -> None:
+        pass
+
     def synchronize(self) -> None:
         self._run_until(self.enqueued)
 
@@ -180,14 +200,7 @@ class SimulatedStreams:
         while self.executed < sequence:
             op = self.queued.popleft()
             self.executed += 1
-            dst, src = op.dst(), op.src()
-            if dst is None:
-                self.violations.append("a copy wrote into memory that had already been freed")
-                continue
-            if op.ordered and src is not None:
-                flat_bytes(dst).copy_(flat_bytes(src))
-            else:
-                flat_bytes(dst).fill_(GARBAGE_BYTE)
+            op.run(self.violations)
 
 
 _simulation_schedule = {"schedule": "eager", "seed": 0}
