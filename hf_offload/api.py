@@ -27,6 +27,14 @@ logger = logging.getLogger("hf_offload")
 MODEL_STATE_ATTR = "_hf_offload"
 LAYER_STATE_ATTR = "_hf_offload_layer"
 
+_TRL_OFFLOADING = (
+    "hf_offload: TRL's activation offloading is on as well (activation_offloading=True in the SFTConfig, "
+    "DPOConfig, KTOConfig or RewardConfig) around a model on which hf_offload is enabled. Both are exact, "
+    "but hf_offload already offloads the decoder layers' activations and TRL's then only moves the few "
+    "tensors saved outside them, at a cost in time. Set activation_offloading=False in the TRL config to "
+    "keep hf_offload's, or call model.disable_activation_offloading() to keep TRL's."
+)
+
 
 class _Controller:
     """Per-model state: options, the engine, the wrapped layers."""
@@ -53,6 +61,25 @@ class _LayerSlot:
         self.previous_forward = previous_forward
 
 
+def _outer_saved_tensors_hooks_module() -> str | None:
+    """The module defining the pack hook of the saved_tensors_hooks context active around this
+    call (None when there is none). There is no public API for this; if torch drops the private
+    call, the check is skipped."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    hooks = top(False) if top is not None else None
+    if hooks is None:
+        return None
+    return getattr(hooks[0], "__module__", None) or ""
+
+
+def _check_outer_offloading(controller: _Controller) -> None:
+    """Run when the first decoder layer starts a training forward: TRL's trainers enter their
+    OffloadActivations context (activation_offloading=True) around the whole training step."""
+    module = _outer_saved_tensors_hooks_module()
+    if module is not None and module.startswith("trl."):
+        controller.engine._warn_once("trl", _TRL_OFFLOADING)
+
+
 def _layer_device(layer: nn.Module, args: tuple, kwargs: dict) -> torch.device | None:
     """Where the layer computes: its parameters' device. Inputs can still be on the previous
     layer's device when accelerate's hooks (device_map="auto") move them inside the call."""
@@ -72,6 +99,8 @@ def _offloaded_forward(self: nn.Module, *args, **kwargs):
     controller = slot.controller
     if controller is None:  # disabled while another wrapper still holds this one
         return forward(*args, **kwargs)
+    if slot.position == 0 and self.training and torch.is_grad_enabled():
+        _check_outer_offloading(controller)
     keep = slot.position >= len(controller.layers) - controller.options.keep_last_layers
     with controller.engine.layer_scope(
         training=self.training,
