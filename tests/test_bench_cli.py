@@ -88,3 +88,23 @@ def test_bad_arguments_are_named(argv, fragment, capsys):
         main(argv)
     assert exit_.value.code == 2
     assert fragment in capsys.readouterr().err
+
+
+def test_gpu_check_ratios_are_against_the_same_length():
+    from hf_offload.bench import Record
+    from hf_offload.benchmarks.gpu_check import ratios_table
+
+    def record(mode, seq, peak, seconds):
+        return Record(mode, seq, "ok", peak_device_bytes=peak, step_seconds=seconds)
+
+    table = ratios_table(
+        [
+            record("none", 4096, 100, 1.0),
+            record("checkpointing", 4096, 20, 1.3),
+            record("checkpointing+hf_offload", 4096, 10, 1.339),
+            record("none", 16384, 400, 4.0),
+        ],
+        [4096, 16384],
+    )
+    assert "| 4096 | checkpointing+hf_offload | 0.100x | 1.339x | 1.030x | - | - |" in table
+    assert "| 16384 | none | 1.000x | 1.000x | - | - | - |" in table

@@ -257,18 +257,8 @@ class LayerGroup:
 
 
 class ActivationOffloader:
-    def __init__(
-        self,
-        *,
-        min_offload_bytes: int,
-        simulate_on_cpu: bool,
-        prefetch_layers: int = 1,
-        max_host_bytes: int = sys.maxsize,
-    ) -> None:
-        self.min_offload_bytes = min_offload_bytes
-        self.simulate_on_cpu = simulate_on_cpu
-        self.prefetch_layers = prefetch_layers
-        self.max_host_bytes = max_host_bytes
+    def __init__(self, **options) -> None:
+        self.configure(**options)
         self.ledger = HostLedger()
         self.step = StepCounters()
         self.lifetime = LifetimeCounters()
@@ -300,15 +290,18 @@ class ActivationOffloader:
         self.prefetch_layers = prefetch_layers
         self.max_host_bytes = max_host_bytes
 
+    def options(self) -> dict[str, object]:
+        return {
+            "min_offload_bytes": self.min_offload_bytes,
+            "simulate_on_cpu": self.simulate_on_cpu,
+            "prefetch_layers": self.prefetch_layers,
+            "max_host_bytes": self.max_host_bytes,
+        }
+
     def __deepcopy__(self, memo: dict) -> ActivationOffloader:
         # A deep-copied model (a DPO reference model, say) gets an offloader of its own with the
         # same options, never a share of this one's handles and counters.
-        return ActivationOffloader(
-            min_offload_bytes=self.min_offload_bytes,
-            simulate_on_cpu=self.simulate_on_cpu,
-            prefetch_layers=self.prefetch_layers,
-            max_host_bytes=self.max_host_bytes,
-        )
+        return ActivationOffloader(**self.options())
 
     def device_context(self, device: str | torch.device) -> DeviceContext | None:
         return self._devices.get(torch.device(device))
