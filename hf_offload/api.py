@@ -10,6 +10,7 @@ while putting the offload scope outside the checkpoint.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import types
@@ -45,6 +46,13 @@ class _Controller:
         self.engine = ActivationOffloader(**options.engine_options())
         self.adapter = ""
         self.layers: list[nn.Module] = []
+
+    def parameters_outside_layers(self) -> list[torch.Tensor]:
+        """Read when a forward pass starts. Each layer's own parameters are read at its call
+        instead: FSDP2 frees a layer's unsharded weights after its forward, and activations
+        of later layers reuse that memory."""
+        inside = {id(p) for layer in self.layers for p in layer.parameters()}
+        return [p for p in self.model.parameters() if id(p) not in inside]
 
     def configure(self, options: OffloadOptions) -> None:
         self.options = options
@@ -92,25 +100,68 @@ def _layer_device(layer: nn.Module, args: tuple, kwargs: dict) -> torch.device |
     return None
 
 
+_UNDER_COMPILE = (
+    "hf_offload runs the offload scope around each decoder layer eagerly, so torch.compile splits the "
+    "graph there (each decoder layer compiles on its own) and fullgraph=True cannot be used with "
+    "activation offloading; see hf_offload's docs/compile.md"
+)
+
+
+class _EagerScope:
+    """The engine's layer scope, entered and left outside torch.compile: dynamo must not trace
+    the engine (host buffers, copies, streams, events) into graphs of its own."""
+
+    __slots__ = ("controller", "scope", "first")
+
+    def __init__(self, controller: _Controller, scope, first: bool) -> None:
+        self.controller, self.scope, self.first = controller, scope, first
+
+    @torch.compiler.disable(reason=_UNDER_COMPILE)
+    def __enter__(self) -> None:
+        if self.first and torch.is_grad_enabled():
+            _check_outer_offloading(self.controller)
+        self.scope.__enter__()
+
+    @torch.compiler.disable(reason=_UNDER_COMPILE)
+    def __exit__(self, *exc_info) -> bool | None:
+        return self.scope.__exit__(*exc_info)
+
+
+@torch.compiler.disable(recursive=False, reason=_UNDER_COMPILE)  # recursive=False keeps the callback set
+def _under_torch_compile() -> bool:
+    """Whether this layer call runs inside a torch.compile'd region. Dynamo does not trace the
+    offload scope and runs this wrapper eagerly, so torch.compiler.is_compiling() is False here;
+    what remains set is dynamo's frame callback (private: no public API tells)."""
+    try:
+        return torch._C._dynamo.eval_frame.get_eval_frame_callback() is not None
+    except AttributeError:
+        return False
+
+
 def _offloaded_forward(self: nn.Module, *args, **kwargs):
     # Bound to the layer with types.MethodType so that copy.deepcopy rebinds it to the copy.
     slot: _LayerSlot = self._hf_offload_layer
-    forward = slot.previous_forward if slot.previous_forward is not None else type(self).forward.__get__(self)
+    # The class's function and self, not type(self).forward.__get__(self): after a graph break
+    # dynamo rebuilds such a bound method as `self.forward`, which is this wrapper (endless recursion).
+    forward = slot.previous_forward
+    if forward is None:
+        forward = functools.partial(type(self).forward, self)
     controller = slot.controller
     if controller is None:  # disabled while another wrapper still holds this one
         return forward(*args, **kwargs)
-    if slot.position == 0 and self.training and torch.is_grad_enabled():
-        _check_outer_offloading(controller)
     keep = slot.position >= len(controller.layers) - controller.options.keep_last_layers
-    with controller.engine.layer_scope(
+    scope = controller.engine.layer_scope(
         training=self.training,
         device=_layer_device(self, args, kwargs),
         starts_pass=slot.position == 0,
         keep=keep,
         protected=lambda: itertools.chain(self.parameters(), self.buffers()),
-        pass_protected=controller.model.parameters,
+        pass_protected=controller.parameters_outside_layers,
         name=f"{slot.position} ({type(self).__name__})",
-    ):
+    )
+    if _under_torch_compile():
+        controller.engine._warn_once("compile", "hf_offload: " + _UNDER_COMPILE)
+    with _EagerScope(controller, scope, slot.position == 0 and self.training):
         return forward(*args, **kwargs)
 
 
@@ -129,6 +180,10 @@ def _unwrap(model: object) -> nn.Module:
         raise TypeError(
             f"expected a torch.nn.Module such as a transformers PreTrainedModel, got {type(model).__name__}"
         )
+    if type(model).__name__ in ("DistributedDataParallel", "DataParallel") and isinstance(
+        getattr(model, "module", None), nn.Module
+    ):
+        model = model.module
     get_base_model = getattr(type(model), "get_base_model", None)
     if callable(get_base_model):  # peft.PeftModel
         return model.get_base_model()
@@ -195,7 +250,8 @@ def enable_activation_offloading(model: nn.Module, **options: object) -> None:
             "Trainer calls) and does nothing in eval mode or under no_grad",
             type(target).__name__,
         )
-    on_cpu = all(p.device.type == "cpu" for p in target.parameters())
+    # A model not yet moved to an existing accelerator (Trainer and accelerate move it later).
+    on_cpu = all(p.device.type == "cpu" for p in target.parameters()) and not torch.accelerator.is_available()
     if on_cpu and not parsed.simulate_on_cpu:
         controller.engine.note_no_accelerator()
 

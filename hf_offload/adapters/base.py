@@ -43,11 +43,18 @@ def layers_of_class(*class_names: str) -> FindLayers:
             raise UnsupportedModelError(
                 f"{type(model).__name__}: expected decoder layers in {type(stack).__name__}.layers, found none"
             )
-        wrong = sorted({type(layer).__name__ for layer in layers} - set(class_names))
+        # torch.compile(layer) puts an OptimizedModule in the list: take the module inside it.
+        layers = [getattr(layer, "_orig_mod", layer) for layer in layers]
+        # By class hierarchy, not exact class: FSDP2's fully_shard swaps each layer's class for a
+        # generated subclass (FSDPLlamaDecoderLayer).
+        wanted = set(class_names)
+        wrong = sorted(
+            {type(layer).__name__ for layer in layers if not wanted & {c.__name__ for c in type(layer).__mro__}}
+        )
         if wrong:
             raise UnsupportedModelError(
                 f"{type(model).__name__}: expected decoder layers of class {' or '.join(class_names)}, found {wrong}"
             )
-        return list(layers)
+        return layers
 
     return find_layers

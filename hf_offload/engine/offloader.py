@@ -197,12 +197,15 @@ class LayerGroup:
         nbytes = tensor.nbytes
         # Kept tensors are returned detached: returning a saved *output* itself would make a
         # reference cycle through its grad_fn that keeps the whole graph alive.
+        # A Parameter is kept as itself, as autograd keeps a saved leaf without hooks (a leaf has
+        # no grad_fn, so no reference cycle): DeepSpeed ZeRO-3 frees a gathered weight by
+        # replacing param.data, and a detached alias would keep it alive until backward.
         if self.keep:
             step.keep("kept_layer", nbytes)
-            return tensor.detach()
+            return tensor if isinstance(tensor, torch.nn.Parameter) else tensor.detach()
         if isinstance(tensor, torch.nn.Parameter):
             step.keep("parameter", nbytes)
-            return tensor.detach()
+            return tensor
         if (
             type(tensor) is not torch.Tensor
             or tensor.layout is not torch.strided
