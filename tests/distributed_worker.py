@@ -1,0 +1,374 @@
+"""Run by tests/test_distributed.py under `python -m torch.distributed.run --standalone --nproc-per-node 2`.
+
+Two CPU processes, gloo. Every scenario builds the same tiny Llama twice from one seed, one
+plain and one with offloading (the engine running on CPU tensors), wraps both the same way
+(DDP, FSDP2, accelerate; DeepSpeed ZeRO-3 when asked for) and trains both for a few steps on
+the same per-rank data, in this process, so the two runs see the same collectives. Rank 0
+writes what every rank saw to the JSON file named by --out; the test asserts on it.
+
+Parameters are watched while the engine works: every storage the engine copies to the host
+(spied on at `DeviceContext.offload_async`, as tests/routing.py does) is compared with the
+storages of the model's parameters and buffers live at that moment: under FSDP2 that is the
+running layer's unsharded parameters (recorded by a forward pre-hook, which runs after FSDP2's
+unshard hook), the root's unsharded parameters and every other layer's local shard.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import itertools
+import json
+import os
+import sys
+import traceback
+from collections.abc import Callable, Iterator
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from conftest import batch, enable_sim, tiny_model  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+
+import hf_offload  # noqa: E402
+from hf_offload.engine.offloader import DeviceContext  # noqa: E402
+
+STEPS = 2
+LR = 0.1
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def ptr(tensor: torch.Tensor) -> int:
+    return local(tensor).untyped_storage().data_ptr()
+
+
+class ParameterWatch:
+    """Checks, at every batch of copies to the host, that no source is a live parameter."""
+
+    def __init__(self) -> None:
+        self.model: torch.nn.Module | None = None
+        self.layer_ptrs: set[int] = set()  # the running layer's parameters, read at its call
+        self.batches = 0
+        self.sources = 0
+        self.violations: list[str] = []
+        self.plain_params_in_layer = 0  # parameters seen as plain tensors inside a layer call
+        self.sharded_params_in_layer = 0  # parameters seen as DTensor shards inside a layer call
+
+    def live_ptrs(self) -> set[int]:
+        tensors = itertools.chain(self.model.parameters(), self.model.buffers())
+        # DeepSpeed ZeRO-3 keeps each parameter's partition in `ds_tensor`.
+        partitions = (p.ds_tensor for p in self.model.parameters() if getattr(p, "ds_tensor", None) is not None)
+        return {ptr(t) for t in itertools.chain(tensors, partitions)} | self.layer_ptrs
+
+    def check(self, copies) -> None:
+        if self.model is None:
+            return
+        self.batches += 1
+        live = self.live_ptrs()
+        for copy in copies:
+            self.sources += 1
+            if copy.source is not None and copy.source.data_ptr() in live:
+                self.violations.append(f"batch {self.batches}: a {copy.source.nbytes()}-byte parameter storage")
+
+    @contextlib.contextmanager
+    def watching(self, model: torch.nn.Module) -> Iterator[None]:
+        handles = []
+
+        def pre_hook(module, args):
+            params = list(module.parameters())
+            self.plain_params_in_layer += sum(not isinstance(p, DTensor) for p in params)
+            self.sharded_params_in_layer += sum(isinstance(p, DTensor) for p in params)
+            self.layer_ptrs = {ptr(p) for p in params}
+
+        for layer in model.model.layers:  # not resolve_layers: it rejects FSDP2's layer classes
+            handles.append(layer.register_forward_pre_hook(pre_hook))
+        self.model = model
+        try:
+            yield
+        finally:
+            self.model = None
+            self.layer_ptrs = set()
+            for handle in handles:
+                handle.remove()
+
+    def result(self) -> dict:
+        return {
+            "batches": self.batches,
+            "sources": self.sources,
+            "violations": self.violations,
+            "plain_params_in_layer": self.plain_params_in_layer,
+            "sharded_params_in_layer": self.sharded_params_in_layer,
+        }
+
+
+WATCH = ParameterWatch()
+_original_offload_async = DeviceContext.offload_async
+
+
+def _watched_offload_async(self, copies, engine):
+    WATCH.check(copies)
+    return _original_offload_async(self, copies, engine)
+
+
+DeviceContext.offload_async = _watched_offload_async
+
+
+def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    grads = {}
+    for name, param in model.named_parameters():
+        if param.grad is not None:
+            grad = param.grad
+            grads[name] = (grad.full_tensor() if isinstance(grad, DTensor) else grad).detach().clone()
+    return grads
+
+
+def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for name, p in model.named_parameters()
+    }
+
+
+def train(wrapped, inner, step_fn: Callable | None = None) -> tuple[list, list, dict]:
+    """STEPS SGD steps on this rank's batches: (losses, grads per step, final full weights)."""
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=LR)
+    losses, grads = [], []
+    for step in range(STEPS):
+        ids = batch(seed=100 * step + dist.get_rank())
+        optimizer.zero_grad(set_to_none=True)
+        loss = wrapped(input_ids=ids, labels=ids).loss
+        (step_fn or (lambda loss: loss.backward()))(loss)
+        losses.append(loss.detach().clone())
+        grads.append(full_grads(inner))
+        optimizer.step()
+    return losses, grads, full_weights(inner)
+
+
+def compare(plain_run, offloaded_run, offloaded_inner) -> dict:
+    (plain_losses, plain_grads, plain_weights), (losses, grads, weights) = plain_run, offloaded_run
+    differing = sorted(
+        {name for a, b in zip(plain_grads, grads, strict=True) for name in a if not torch.equal(a[name], b[name])}
+    )
+    stats = hf_offload.activation_offloading_stats(offloaded_inner)
+    return {
+        "losses": [float(x) for x in losses],
+        "plain_losses": [float(x) for x in plain_losses],
+        "losses_equal": all(torch.equal(a, b) for a, b in zip(plain_losses, losses, strict=True)),
+        "grad_names": sorted(plain_grads[0]),
+        "same_grad_names": all(a.keys() == b.keys() for a, b in zip(plain_grads, grads, strict=True)),
+        "grads_differing": differing,
+        "weights_equal": plain_weights.keys() == weights.keys()
+        and all(torch.equal(plain_weights[k], weights[k]) for k in plain_weights),
+        "grad_checksum": [float(sum(g.double().sum() for g in step.values())) for step in grads],
+        "stats": stats.as_dict(),
+    }
+
+
+def twins(**overrides) -> tuple[torch.nn.Module, torch.nn.Module]:
+    return tiny_model("llama", seed=0, **overrides), tiny_model("llama", seed=0, **overrides)
+
+
+# --- scenarios ---------------------------------------------------------------------------------
+
+
+def scenario_ddp(enable_after_wrap: bool = False) -> dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    plain, offloaded = twins()
+    if not enable_after_wrap:
+        enable_sim(offloaded)
+    plain_ddp, offloaded_ddp = DDP(plain), DDP(offloaded)
+    if enable_after_wrap:
+        enable_sim(offloaded_ddp.module)
+    plain_run = train(plain_ddp, plain)
+    with WATCH.watching(offloaded):
+        offloaded_run = train(offloaded_ddp, offloaded)
+    return compare(plain_run, offloaded_run, offloaded)
+
+
+def shard(model: torch.nn.Module) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+
+
+def scenario_fsdp2(enable_after_shard: bool = False, checkpointing: bool = False) -> dict:
+    plain, offloaded = twins()
+    for model in (plain, offloaded):
+        if checkpointing:
+            model.activation_checkpointing_enable()
+    if not enable_after_shard:
+        enable_sim(offloaded)
+    shard(plain)
+    shard(offloaded)
+    if enable_after_shard:
+        enable_sim(offloaded)
+    plain_run = train(plain, plain)
+    with WATCH.watching(offloaded):
+        offloaded_run = train(offloaded, offloaded)
+    result = compare(plain_run, offloaded_run, offloaded)
+    result["sharded_at_rest"] = all(isinstance(p, DTensor) for p in offloaded.parameters())
+    result["fsdp_class"] = type(offloaded.model.layers[0]).__name__
+    return result
+
+
+def scenario_accelerate() -> dict:
+    """accelerate's prepare (a DDP wrapper here) with gradient accumulation over 2 micro-batches
+    (DDP's no_sync on the first)."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    def run(model):
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+        # accelerate's loader gives each rank every other item: 2 micro-batches per step and rank.
+        data = [batch(seed=i, batch_size=1)[0] for i in range(2 * STEPS * dist.get_world_size())]
+        loader = torch.utils.data.DataLoader(data, batch_size=1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+        prepared, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+        losses, grads = [], []
+        for ids in loader:
+            with accelerator.accumulate(prepared):
+                loss = prepared(input_ids=ids, labels=ids).loss
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    grads.append(full_grads(model))
+                optimizer.step()
+                optimizer.zero_grad()
+            losses.append(loss.detach().clone())
+        info = {"wrapper": type(prepared).__name__, "distributed_type": str(accelerator.distributed_type)}
+        return (losses, grads, full_weights(model)), info
+
+    plain, offloaded = twins()
+    enable_sim(offloaded)
+    plain_run, _ = run(plain)
+    with WATCH.watching(offloaded):
+        offloaded_run, info = run(offloaded)
+    result = compare(plain_run, offloaded_run, offloaded)
+    result.update(info, sync_steps=len(offloaded_run[1]))
+    return result
+
+
+def scenario_zero3() -> dict:
+    """DeepSpeed ZeRO-3 (needs `deepspeed`; DS_ACCELERATOR=cpu, gloo). The model is built under
+    deepspeed.zero.Init, as transformers does for ZeRO-3, which also swaps F.linear for
+    LinearFunctionForZeroStage3: it saves the weight Parameter itself, so that ZeRO-3 can free the
+    gathered weight after the layer (free_param: `param.data = torch.empty(0)`) and gather it again
+    in backward. Besides parity, this records how many gathered weights are still alive between
+    forward and backward: with nothing holding them, none."""
+    import deepspeed
+    from deepspeed.utils import safe_get_full_grad
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        # Partition every parameter and release each one as soon as its module has run (the defaults
+        # keep a tiny model's weights gathered from the second step on).
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,
+            "stage3_max_live_parameters": 0,
+            "stage3_max_reuse_distance": 0,
+            "stage3_prefetch_bucket_size": 0,
+        },
+        "optimizer": {"type": "SGD", "params": {"lr": LR}},
+        "zero_allow_untested_optimizer": True,
+    }
+
+    def run(offload: bool):
+        with deepspeed.zero.Init(config_dict_or_path=config):
+            model = tiny_model("llama", seed=0)
+        if offload:
+            enable_sim(model)
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        gathered: list[StorageWeakRef] = []
+
+        def record(module, args, output):
+            for param in module.parameters(recurse=False):
+                if param.numel() > 0:
+                    gathered.append(StorageWeakRef(param.untyped_storage()))
+
+        def train_step(step: int) -> None:
+            gathered.clear()
+            ids = batch(seed=100 * step + dist.get_rank())
+            loss = engine(input_ids=ids, labels=ids).loss
+            alive.append(sum(not ref.expired() for ref in gathered))  # between forward and backward
+            engine.backward(loss)
+            grads.append({n: safe_get_full_grad(p).clone() for n, p in model.named_parameters()})
+            engine.step()
+            losses.append(loss.detach().clone())
+
+        # ZeRO-3 gathers and frees each module's own parameters around that module's forward: record
+        # them in a forward hook that runs before ZeRO-3's release hook.
+        handles = [
+            module.register_forward_hook(record, prepend=True)
+            for module in model.model.layers.modules()
+            if next(module.parameters(recurse=False), None) is not None
+        ]
+        losses, grads, alive = [], [], []
+        watching = WATCH.watching(model) if offload else contextlib.nullcontext()
+        with watching:
+            for step in range(STEPS):
+                train_step(step)
+        for handle in handles:
+            handle.remove()
+        weights = {}
+        for name, param in model.named_parameters():
+            with deepspeed.zero.GatheredParameters([param]):
+                weights[name] = param.detach().clone()
+        return (losses, grads, weights), model, alive, len(gathered)
+
+    plain_run, _, plain_alive, count = run(offload=False)
+    offloaded_run, offloaded, alive, _ = run(offload=True)
+    result = compare(plain_run, offloaded_run, offloaded)
+    result.update(gathered_per_step=count, gathered_alive_plain=plain_alive, gathered_alive_offloaded=alive)
+    return result
+
+
+SCENARIOS = {
+    "ddp": scenario_ddp,
+    "ddp_enable_after_wrap": lambda: scenario_ddp(enable_after_wrap=True),
+    "fsdp2": scenario_fsdp2,
+    "fsdp2_checkpointing": lambda: scenario_fsdp2(checkpointing=True),
+    "fsdp2_enable_after_shard": lambda: scenario_fsdp2(enable_after_shard=True),
+    "accelerate": scenario_accelerate,
+}
+OPTIONAL_SCENARIOS = {"zero3": scenario_zero3}  # run only when asked for: they need extra packages
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS))
+    all_scenarios = {**SCENARIOS, **OPTIONAL_SCENARIOS}
+    args = parser.parse_args()
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    results: dict[str, dict] = {}
+    for name in args.scenarios.split(","):
+        WATCH.__init__()
+        try:
+            results[name] = all_scenarios[name]()
+        except Exception as error:  # recorded for the test to assert on; the other scenarios still run
+            results[name] = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()}
+        results[name]["watch"] = WATCH.result()
+        dist.barrier()
+
+    gathered: list[dict] = [None] * dist.get_world_size()  # type: ignore[list-item]
+    dist.all_gather_object(gathered, {"rank": rank, "results": results})
+    if rank == 0:
+        with open(args.out, "w") as handle:
+            json.dump({"world_size": dist.get_world_size(), "ranks": gathered}, handle, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
