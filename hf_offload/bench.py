@@ -282,8 +282,13 @@ def run_bench(args) -> int:
     )
     table = markdown_table(records, device=device)
     (out / "bench.md").write_text(f"{title}\n\n{table}\n")
-    plot(records, out / "bench.png", device=device, title=title)
+    written = [out / "bench.json", out / "bench.md"]
+    try:
+        plot(records, out / "bench.png", device=device, title=title)
+        written.append(out / "bench.png")
+    except ImportError:
+        print("no plot: matplotlib is not installed (pip install 'hf-offload[bench]')")
     print(title)
     print(table)
-    print(f"wrote {out / 'bench.json'}, {out / 'bench.md'}, {out / 'bench.png'}")
+    print(f"wrote {', '.join(map(str, written))}")
     return 0
