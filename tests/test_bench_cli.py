@@ -108,3 +108,14 @@ def test_gpu_check_ratios_are_against_the_same_length():
     )
     assert "| 4096 | checkpointing+hf_offload | 0.100x | 1.339x | 1.030x | - | - |" in table
     assert "| 16384 | none | 1.000x | 1.000x | - | - | - |" in table
+
+
+def test_bench_without_matplotlib_still_writes_json_and_table(tmp_path, monkeypatch, capsys):
+    def no_matplotlib(*args, **kwargs):
+        raise ImportError("No module named 'matplotlib'")
+
+    monkeypatch.setattr(bench, "plot", no_matplotlib)
+    result = run_bench(tmp_path, "--seq-lens", "32", "--modes", "none")
+    assert result["records"][0]["status"] == "ok"
+    assert (tmp_path / "bench.md").exists() and not (tmp_path / "bench.png").exists()
+    assert "pip install 'hf-offload[bench]'" in capsys.readouterr().out
