@@ -7,7 +7,9 @@ import itertools
 from collections.abc import Iterator
 
 import torch
+from conftest import assert_bit_identical, batch, train_step
 
+import hf_offload
 from hf_offload.adapters import resolve_layers
 from hf_offload.api import _unwrap
 from hf_offload.engine.offloader import DeviceContext
@@ -82,3 +84,25 @@ def expected_offload(model: torch.nn.Module, saved: list[list[torch.Tensor]], ke
             count += 1
             total += storage.nbytes()
     return count, total
+
+
+def assert_parity_and_routing(plain, offloaded, monkeypatch, steps: int = 2) -> hf_offload.OffloadStats:
+    """`steps` training steps on each: identical losses and gradients, the engine offloaded exactly
+    the non-parameter storages the layers saved, and never a parameter's storage."""
+    ids = batch()
+    for step in range(steps):
+        with record_layer_saves(plain) as saved:
+            expected_loss, expected_grads = train_step(plain, ids)
+        with spy_host_copies(monkeypatch) as copied:
+            loss, actual_grads = train_step(offloaded, ids)
+        assert torch.equal(expected_loss, loss), f"step {step}: loss differs"
+        assert_bit_identical(expected_grads, actual_grads)
+        stats = hf_offload.activation_offloading_stats(offloaded)
+        assert stats.mode == "cpu-simulation"
+        assert not {s.data_ptr() for s in copied} & parameter_ptrs(offloaded), "a parameter was offloaded"
+        count, nbytes = expected_offload(plain, saved)
+        assert count > 0
+        assert (stats.offloaded_tensors, stats.offloaded_bytes) == (count, nbytes)
+        assert len(copied) == count
+        assert stats.host_bytes_held == 0 and stats.live_host_copies == 0
+    return stats

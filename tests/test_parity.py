@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import BATCH, SEQ, assert_bit_identical, batch, enable_sim, loss_of, tiny_model, train_step, twin
 from peft import LoraConfig, get_peft_model
-from routing import expected_offload, parameter_ptrs, record_layer_saves, spy_host_copies
+from routing import assert_parity_and_routing
 
 import hf_offload
 
@@ -45,33 +45,18 @@ def build_pair(model_type, tuning, checkpointing, enable_before_peft=True):
 @pytest.mark.parametrize("tuning", ["full", "lora"])
 def test_parity_and_routing(model_type, tuning, checkpointing, monkeypatch):
     plain, offloaded = build_pair(model_type, tuning, checkpointing)
-    ids = batch()
-    for step in range(2):  # the second step runs on reused handles/registries
-        # The plain twin saves the same tensors; recording them there is the reference.
-        with record_layer_saves(plain) as saved:
-            expected_loss, expected_grads = train_step(plain, ids)
-        with spy_host_copies(monkeypatch) as copied:
-            loss, actual_grads = train_step(offloaded, ids)
-        assert torch.equal(expected_loss, loss), f"step {step}: loss differs"
-        assert_bit_identical(expected_grads, actual_grads)
-
-        stats = hf_offload.activation_offloading_stats(offloaded)
-        assert stats.mode == "cpu-simulation"
-        assert not {s.data_ptr() for s in copied} & parameter_ptrs(offloaded), "a parameter was offloaded"
-        assert stats.kept_tensors["parameter"] > 0 or checkpointing != "none"
-        count, nbytes = expected_offload(plain, saved)
-        assert (stats.offloaded_tensors, stats.offloaded_bytes) == (count, nbytes)
-        assert len(copied) == count
-        assert stats.restored_tensors >= count
-        if checkpointing != "none":
-            # Exactly the checkpointed layers' inputs (hidden states), for every layer but the kept last one.
-            hidden = offloaded.config.hidden_size
-            assert stats.offloaded_tensors == 2
-            assert stats.offloaded_bytes == 2 * BATCH * SEQ * hidden * 4
-            assert stats.kept_tensors["parameter"] == 0
-        else:
-            assert stats.kept_tensors["duplicate"] > 0  # rotary cos/sin, shared by every layer
-        assert stats.host_bytes_held == 0 and stats.live_host_copies == 0
+    # Two steps: the second runs on reused handles, registries and pooled buffers.
+    stats = assert_parity_and_routing(plain, offloaded, monkeypatch, steps=2)
+    assert stats.restored_tensors >= stats.offloaded_tensors
+    if checkpointing != "none":
+        # Exactly the checkpointed layers' inputs (hidden states), for every layer but the kept last one.
+        hidden = offloaded.config.hidden_size
+        assert stats.offloaded_tensors == 2
+        assert stats.offloaded_bytes == 2 * BATCH * SEQ * hidden * 4
+        assert stats.kept_tensors["parameter"] == 0
+    else:
+        assert stats.kept_tensors["parameter"] > 0
+        assert stats.kept_tensors["duplicate"] > 0  # rotary cos/sin, shared by every layer
 
 
 @pytest.mark.parametrize("checkpointing", ["none", "reentrant"])

@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import BATCH, SEQ, assert_bit_identical, batch, enable_sim, tiny_model, train_step, twin
 from peft import LoraConfig, PeftModel, get_peft_model, prepare_model_for_kbit_training
-from routing import expected_offload, parameter_ptrs, record_layer_saves, spy_host_copies
+from routing import assert_parity_and_routing, parameter_ptrs, spy_host_copies
 
 import hf_offload
 
@@ -25,28 +25,6 @@ def adapt(model: torch.nn.Module, seed: int = 3, **lora_options) -> PeftModel:
     # init_lora_weights=False gives B a random start, so every adapter gradient is non-zero.
     config = LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False, **lora_options)
     return get_peft_model(model, config)
-
-
-def assert_parity_and_routing(plain, offloaded, monkeypatch, steps: int = 2) -> hf_offload.OffloadStats:
-    """`steps` training steps on each: identical losses and gradients, the engine offloaded exactly
-    the non-parameter storages the layers saved, and never a parameter's storage."""
-    ids = batch()
-    for step in range(steps):
-        with record_layer_saves(plain) as saved:
-            expected_loss, expected_grads = train_step(plain, ids)
-        with spy_host_copies(monkeypatch) as copied:
-            loss, actual_grads = train_step(offloaded, ids)
-        assert torch.equal(expected_loss, loss), f"step {step}: loss differs"
-        assert_bit_identical(expected_grads, actual_grads)
-        stats = hf_offload.activation_offloading_stats(offloaded)
-        assert stats.mode == "cpu-simulation"
-        assert not {s.data_ptr() for s in copied} & parameter_ptrs(offloaded), "a parameter was offloaded"
-        count, nbytes = expected_offload(plain, saved)
-        assert count > 0
-        assert (stats.offloaded_tensors, stats.offloaded_bytes) == (count, nbytes)
-        assert len(copied) == count
-        assert stats.host_bytes_held == 0 and stats.live_host_copies == 0
-    return stats
 
 
 def sgd_steps(model: torch.nn.Module, steps: int = 2, seed: int = 1) -> list[torch.Tensor]:
