@@ -70,6 +70,26 @@ def assert_bit_identical(expected: dict[str, torch.Tensor], actual: dict[str, to
     assert not differing, f"gradients differ for {differing[:5]}"
 
 
+def quiet_training_args(output_dir, **overrides) -> dict:
+    """Keyword arguments for a short, seeded, CPU-only TrainingArguments (or TRL config) run
+    that logs every step and writes nothing but what a test asks for."""
+    return {
+        "output_dir": str(output_dir),
+        "max_steps": 3,
+        "per_device_train_batch_size": 2,
+        "per_device_eval_batch_size": 2,
+        "learning_rate": 1e-3,
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "report_to": [],
+        "use_cpu": True,
+        "seed": 0,
+        "data_seed": 0,
+        "disable_tqdm": True,
+        **overrides,
+    }
+
+
 def enable_sim(model: torch.nn.Module, **options) -> None:
     """Offloading with the engine really running on CPU tensors."""
     hf_offload.enable_activation_offloading(model, **{"simulate_on_cpu": True, "min_offload_bytes": 0, **options})

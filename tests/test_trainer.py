@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import VOCAB, batch, tiny_model, twin
+from conftest import VOCAB, batch, quiet_training_args, tiny_model, twin
 from peft import LoraConfig, get_peft_model
 from transformers import Trainer, TrainingArguments
 
@@ -23,21 +23,7 @@ class RandomTokens(torch.utils.data.Dataset):
 
 
 def run_trainer(model, tmp_path, checkpointing):
-    args = TrainingArguments(
-        output_dir=str(tmp_path),
-        max_steps=3,
-        per_device_train_batch_size=2,
-        per_device_eval_batch_size=2,
-        learning_rate=1e-3,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        seed=0,
-        data_seed=0,
-        activation_checkpointing=checkpointing,
-        disable_tqdm=True,
-    )
+    args = TrainingArguments(**quiet_training_args(tmp_path, activation_checkpointing=checkpointing))
     trainer = Trainer(model=model, args=args, train_dataset=RandomTokens(6, 0), eval_dataset=RandomTokens(4, 100))
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]

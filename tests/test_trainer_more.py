@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import VOCAB, batch, enable_sim, tiny_model, twin
+from conftest import VOCAB, batch, enable_sim, quiet_training_args, tiny_model, twin
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
@@ -46,22 +46,7 @@ def make_pair(tuning: str) -> tuple[torch.nn.Module, torch.nn.Module]:
 
 
 def arguments(output_dir: Path, **overrides) -> TrainingArguments:
-    options = dict(
-        output_dir=str(output_dir),
-        max_steps=3,
-        per_device_train_batch_size=2,
-        per_device_eval_batch_size=2,
-        learning_rate=1e-3,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        seed=0,
-        data_seed=0,
-        disable_tqdm=True,
-    )
-    options.update(overrides)
-    return TrainingArguments(**options)
+    return TrainingArguments(**quiet_training_args(output_dir, **overrides))
 
 
 def losses(trainer: Trainer, key: str = "loss") -> list[float]:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import enable_sim, tiny_model, twin
+from conftest import enable_sim, quiet_training_args, tiny_model, twin
 from datasets import Dataset
 from peft import LoraConfig
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -76,18 +76,9 @@ def lora_config() -> LoraConfig:
 
 
 def common_args(output_dir: Path) -> dict:
-    return dict(
-        output_dir=str(output_dir),
+    return quiet_training_args(
+        output_dir,
         max_steps=STEPS,
-        per_device_train_batch_size=2,
-        learning_rate=1e-3,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        seed=0,
-        data_seed=0,
-        disable_tqdm=True,
         max_length=32,
         activation_offloading=False,  # TRL's own; ours is enabled on the model
     )
