@@ -34,6 +34,14 @@ def flat_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
+def _empty_host_cache() -> None:
+    """torch.accelerator.empty_host_cache, which torch 2.11 lacks; there the CUDA host
+    allocator's own (private) call does the same."""
+    empty = getattr(torch.accelerator, "empty_host_cache", None) or getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None:
+        empty()
+
+
 class AcceleratorStreams:
     """A dedicated copy stream beside the caller's compute stream on one accelerator."""
 
@@ -68,7 +76,7 @@ class AcceleratorStreams:
 
     def empty_host_cache(self) -> None:
         # torch caches freed pinned blocks itself; dropping our references alone frees nothing.
-        torch.accelerator.empty_host_cache()
+        _empty_host_cache()
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         if self.pinned:
