@@ -19,9 +19,9 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from .adapters import resolve_layers
+from .adapters import UnsupportedModelError, resolve_layers
 from .config import OffloadOptions
-from .engine import ActivationOffloader, OffloadStats
+from .engine import ActivationOffloader, OffloadStats, in_backward
 
 logger = logging.getLogger("hf_offload")
 
@@ -46,6 +46,7 @@ class _Controller:
         self.engine = ActivationOffloader(**options.engine_options())
         self.adapter = ""
         self.layers: list[nn.Module] = []
+        self.paused = False  # the layers were re-wrapped mid-pass: the rest of the pass runs plain
 
     def parameters_outside_layers(self) -> list[torch.Tensor]:
         """Read when a forward pass starts. Each layer's own parameters are read at its call
@@ -57,6 +58,34 @@ class _Controller:
     def configure(self, options: OffloadOptions) -> None:
         self.options = options
         self.engine.configure(**options.engine_options())
+
+    def move_outside_checkpoint(self, name: str) -> None:
+        """Called when a wrapped layer runs inside torch.utils.checkpoint's forward, where the
+        checkpoint's hooks would never see the tensors ours take. Checkpoint wrappers applied
+        after enabling (FSDP's or accelerate's activation checkpointing) are found again and
+        wrapped instead, from the next forward pass on; the rest of this pass runs as without us."""
+        try:
+            _adapter, layers = resolve_layers(self.model)
+        except UnsupportedModelError:  # wrapped in something no adapter knows: never fail the step
+            layers = self.layers
+        if [id(layer) for layer in layers] == [id(layer) for layer in self.layers]:
+            self.engine._warn_once(
+                "inside_checkpoint",
+                f"hf_offload: decoder layer {name} runs inside torch.utils.checkpoint, and hf_offload "
+                "cannot wrap the checkpoint from outside; it offloads nothing from layers run inside a "
+                "checkpoint. Checkpoint the decoder layer modules (torch.distributed's checkpoint_wrapper, or "
+                "model.activation_checkpointing_enable()) so that hf_offload can wrap them.",
+            )
+            return
+        _uninstall(self)
+        _install(self, layers)
+        self.paused = True
+        self.engine._warn_once(
+            "moved_outside_checkpoint",
+            "hf_offload: the decoder layers were put in checkpoint wrappers after offloading was enabled; "
+            "hf_offload now wraps the wrappers and offloads the checkpoint inputs from the next step on "
+            "(this step ran with checkpointing alone).",
+        )
 
 
 class _LayerSlot:
@@ -80,12 +109,17 @@ def _outer_saved_tensors_hooks_module() -> str | None:
     return getattr(hooks[0], "__module__", None) or ""
 
 
-def _check_outer_offloading(controller: _Controller) -> None:
-    """Run when the first decoder layer starts a training forward: TRL's trainers enter their
-    OffloadActivations context (activation_offloading=True) around the whole training step."""
+def _runs_inside_checkpoint(controller: _Controller, first: bool) -> bool:
+    """Read when a decoder layer starts a training forward. TRL's trainers enter their
+    OffloadActivations context (activation_offloading=True) around the whole training step;
+    torch.utils.checkpoint's non-reentrant forward is an outer context when a checkpoint wrapper
+    was put around an already wrapped layer."""
     module = _outer_saved_tensors_hooks_module()
-    if module is not None and module.startswith("trl."):
+    if module is None:
+        return False
+    if first and module.startswith("trl."):
         controller.engine._warn_once("trl", _TRL_OFFLOADING)
+    return module == "torch.utils.checkpoint"
 
 
 def _layer_device(layer: nn.Module, args: tuple, kwargs: dict) -> torch.device | None:
@@ -111,20 +145,25 @@ class _EagerScope:
     """The engine's layer scope, entered and left outside torch.compile: dynamo must not trace
     the engine (host buffers, copies, streams, events) into graphs of its own."""
 
-    __slots__ = ("controller", "scope", "first")
+    __slots__ = ("controller", "scope", "first", "training", "name", "entered")
 
-    def __init__(self, controller: _Controller, scope, first: bool) -> None:
-        self.controller, self.scope, self.first = controller, scope, first
+    def __init__(self, controller: _Controller, scope, first: bool, training: bool, name: str) -> None:
+        self.controller, self.scope, self.first, self.training, self.name = controller, scope, first, training, name
+        self.entered = False
 
     @torch.compiler.disable(reason=_UNDER_COMPILE)
     def __enter__(self) -> None:
-        if self.first and torch.is_grad_enabled():
-            _check_outer_offloading(self.controller)
+        # Not in backward: a checkpoint's recompute runs the layer inside the checkpoint by design.
+        inside = self.training and torch.is_grad_enabled() and not in_backward()
+        if inside and _runs_inside_checkpoint(self.controller, self.first):
+            self.controller.move_outside_checkpoint(self.name)
+            return
         self.scope.__enter__()
+        self.entered = True
 
     @torch.compiler.disable(reason=_UNDER_COMPILE)
     def __exit__(self, *exc_info) -> bool | None:
-        return self.scope.__exit__(*exc_info)
+        return self.scope.__exit__(*exc_info) if self.entered else None
 
 
 @torch.compiler.disable(recursive=False, reason=_UNDER_COMPILE)  # recursive=False keeps the callback set
@@ -149,7 +188,12 @@ def _offloaded_forward(self: nn.Module, *args, **kwargs):
     controller = slot.controller
     if controller is None:  # disabled while another wrapper still holds this one
         return forward(*args, **kwargs)
+    if controller.paused:
+        if slot.position != 0:
+            return forward(*args, **kwargs)
+        controller.paused = False
     keep = slot.position >= len(controller.layers) - controller.options.keep_last_layers
+    name = f"{slot.position} ({type(self).__name__})"
     scope = controller.engine.layer_scope(
         training=self.training,
         device=_layer_device(self, args, kwargs),
@@ -157,11 +201,11 @@ def _offloaded_forward(self: nn.Module, *args, **kwargs):
         keep=keep,
         protected=lambda: itertools.chain(self.parameters(), self.buffers()),
         pass_protected=controller.parameters_outside_layers,
-        name=f"{slot.position} ({type(self).__name__})",
+        name=name,
     )
     if _under_torch_compile():
         controller.engine._warn_once("compile", "hf_offload: " + _UNDER_COMPILE)
-    with _EagerScope(controller, scope, slot.position == 0 and self.training):
+    with _EagerScope(controller, scope, slot.position == 0, self.training, name):
         return forward(*args, **kwargs)
 
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from torch import nn
 
 from . import gemma, llama, mistral, qwen2
-from .base import Adapter, FindLayers, UnsupportedModelError
+from .base import Adapter, FindLayers, UnsupportedModelError, hook_point
 from .generic import find_decoder_layers
 
 _REGISTRY: dict[str, Adapter] = {}
@@ -51,15 +51,16 @@ def _model_types(model: nn.Module) -> list[str]:
 
 
 def resolve_layers(model: nn.Module) -> tuple[str, Sequence[nn.Module]]:
-    """(adapter name, decoder layers in forward order) for `model`."""
+    """(adapter name, the modules to wrap for the decoder layers, in forward order) for `model`.
+    A layer inside FSDP1 or torch.compile is wrapped inside them (see `hook_point`)."""
     for model_type in _model_types(model):
         adapter = _REGISTRY.get(model_type)
         if adapter is not None:
             layers = list(adapter.find_layers(model))
             if not layers:
                 raise UnsupportedModelError(f"adapter {model_type!r} found no decoder layers in {type(model).__name__}")
-            return model_type, layers
-    return "generic", find_decoder_layers(model)
+            return model_type, [hook_point(layer) for layer in layers]
+    return "generic", [hook_point(layer) for layer in find_decoder_layers(model)]
 
 
 for _module in (llama, qwen2, mistral, gemma):

@@ -32,6 +32,36 @@ def decoder_stack(model: nn.Module) -> nn.Module:
     return model
 
 
+# Attributes through which wrappers reach the module they run. FSDP1 gathers the parameters and
+# torch.compile's OptimizedModule runs the same layer: offloading wraps the module inside them,
+# where the gathered parameters are live. torch.distributed's checkpoint_wrapper is wrapped itself:
+# offloading must stay outside the checkpoint to see only its inputs.
+_RUNS_INNER = ("_fsdp_wrapped_module", "_orig_mod")
+_CHECKPOINTS_INNER = "_checkpoint_wrapped_module"
+
+
+def _inner(module: nn.Module, attributes: tuple[str, ...]) -> nn.Module | None:
+    for attribute in attributes:
+        inner = getattr(module, attribute, None)
+        if isinstance(inner, nn.Module):
+            return inner
+    return None
+
+
+def hook_point(layer: nn.Module) -> nn.Module:
+    """The module whose forward hf_offload wraps for a decoder layer as listed in the model."""
+    while (inner := _inner(layer, _RUNS_INNER)) is not None:
+        layer = inner
+    return layer
+
+
+def innermost(layer: nn.Module) -> nn.Module:
+    """The decoder layer itself, inside every wrapper (what the class checks look at)."""
+    while (inner := _inner(layer, (*_RUNS_INNER, _CHECKPOINTS_INNER))) is not None:
+        layer = inner
+    return layer
+
+
 def layers_of_class(*class_names: str) -> FindLayers:
     """A `find_layers` for families whose decoder stack keeps its layers in `.layers`, checked
     by class name so that a renamed or restructured model fails loudly instead of silently."""
@@ -43,18 +73,20 @@ def layers_of_class(*class_names: str) -> FindLayers:
             raise UnsupportedModelError(
                 f"{type(model).__name__}: expected decoder layers in {type(stack).__name__}.layers, found none"
             )
-        # torch.compile(layer) puts an OptimizedModule in the list: take the module inside it.
-        layers = [getattr(layer, "_orig_mod", layer) for layer in layers]
         # By class hierarchy, not exact class: FSDP2's fully_shard swaps each layer's class for a
         # generated subclass (FSDPLlamaDecoderLayer).
         wanted = set(class_names)
         wrong = sorted(
-            {type(layer).__name__ for layer in layers if not wanted & {c.__name__ for c in type(layer).__mro__}}
+            {
+                type(innermost(layer)).__name__
+                for layer in layers
+                if not wanted & {c.__name__ for c in type(innermost(layer)).__mro__}
+            }
         )
         if wrong:
             raise UnsupportedModelError(
                 f"{type(model).__name__}: expected decoder layers of class {' or '.join(class_names)}, found {wrong}"
             )
-        return layers
+        return list(layers)
 
     return find_layers

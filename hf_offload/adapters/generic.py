@@ -7,14 +7,14 @@ from collections.abc import Sequence
 from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from .base import UnsupportedModelError, decoder_stack
+from .base import UnsupportedModelError, decoder_stack, innermost
 
 
 def _is_layer_list(module: object) -> bool:
     return (
         isinstance(module, nn.ModuleList)
         and len(module) > 0
-        and all(isinstance(layer, GradientCheckpointingLayer) for layer in module)
+        and all(isinstance(innermost(layer), GradientCheckpointingLayer) for layer in module)
     )
 
 

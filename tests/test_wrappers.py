@@ -1,0 +1,122 @@
+"""Decoder layers inside torch.distributed's checkpoint_wrapper (what FSDP's and accelerate's
+`activation_checkpointing` apply): hf_offload wraps the wrapper, so that it stays outside the
+checkpoint and offloads only the checkpoint's inputs, whether the wrapper was applied before
+offloading was enabled or after it."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from conftest import BATCH, SEQ, assert_bit_identical, batch, enable_sim, tiny_model, train_step
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    apply_activation_checkpointing,
+    checkpoint_wrapper,
+)
+from torch.utils.checkpoint import checkpoint
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+from hf_offload import api
+from hf_offload.adapters import resolve_layers
+
+STEPS = 3
+
+
+def wrap_in_checkpoints(model: torch.nn.Module) -> None:
+    apply_activation_checkpointing(
+        model, checkpoint_wrapper_fn=checkpoint_wrapper, check_fn=lambda m: isinstance(m, LlamaDecoderLayer)
+    )
+
+
+def offloaded_per_step(model, reference) -> list[int]:
+    """Trains both for STEPS steps, asserting bit-identical losses and gradients at each;
+    returns how many tensors hf_offload offloaded at each step."""
+    counts = []
+    for step in range(STEPS):
+        ids = batch(seed=step)
+        expected_loss, expected = train_step(reference, ids)
+        loss, actual = train_step(model, ids)
+        assert torch.equal(expected_loss, loss), f"step {step}"
+        assert_bit_identical(expected, actual)
+        counts.append(model.activation_offloading_stats().offloaded_tensors)
+    return counts
+
+
+@pytest.fixture
+def reference():
+    model = tiny_model("llama", seed=0)
+    wrap_in_checkpoints(model)
+    return model
+
+
+def only_checkpoint_inputs(model) -> int:
+    """What offloaded checkpointing moves per step: each checkpointed layer's input hidden states,
+    for every layer but the kept last one."""
+    stats = model.activation_offloading_stats()
+    hidden = model.config.hidden_size
+    layers = model.config.num_hidden_layers - 1
+    assert stats.offloaded_bytes == layers * BATCH * SEQ * hidden * 4
+    return layers
+
+
+def test_enabled_after_checkpoint_wrapper(reference):
+    model = tiny_model("llama", seed=0)
+    wrap_in_checkpoints(model)
+    enable_sim(model)
+    _, layers = resolve_layers(model)
+    assert [type(layer).__name__ for layer in layers] == ["CheckpointWrapper"] * model.config.num_hidden_layers
+    counts = offloaded_per_step(model, reference)
+    assert counts == [only_checkpoint_inputs(model)] * STEPS
+
+
+def test_checkpoint_wrapper_applied_after_enabling(reference, caplog):
+    """Trainer and accelerate apply FSDP's activation checkpointing in prepare(), after the user
+    enabled offloading: the first step runs as checkpointing alone, then hf_offload wraps the
+    wrappers and offloads the checkpoint inputs (not everything the layers save)."""
+    model = tiny_model("llama", seed=0)
+    enable_sim(model)
+    wrap_in_checkpoints(model)
+    with caplog.at_level(logging.WARNING, logger="hf_offload"):
+        counts = offloaded_per_step(model, reference)
+    assert counts == [0] + [only_checkpoint_inputs(model)] * (STEPS - 1)
+    moved = [r for r in caplog.records if "hf_offload now wraps the wrappers" in r.getMessage()]
+    assert len(moved) == 1
+    assert all(type(layer).__name__ == "CheckpointWrapper" for layer in getattr(model, api.MODEL_STATE_ATTR).layers)
+
+
+def test_without_the_check_the_checkpoint_is_defeated(reference, monkeypatch):
+    """Companion: with the inside-a-checkpoint check removed, hf_offload's hooks sit inside the
+    checkpoint, take every tensor the layers save, and the checkpoint is defeated (still exact)."""
+    monkeypatch.setattr(api, "_runs_inside_checkpoint", lambda controller, first: False)
+    model = tiny_model("llama", seed=0)
+    enable_sim(model)
+    wrap_in_checkpoints(model)
+    counts = offloaded_per_step(model, reference)
+    assert min(counts) > 10 * (model.config.num_hidden_layers - 1)
+
+
+class HandRolledCheckpoint(torch.nn.Module):
+    """A checkpoint around a layer that no adapter can see through."""
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = layer
+
+    def forward(self, *args, **kwargs):
+        return checkpoint(self.inner, *args, use_reentrant=False, **kwargs)
+
+
+def test_checkpoint_that_cannot_be_wrapped_runs_plain_and_says_so(caplog):
+    reference = tiny_model("llama", seed=0)
+    model = tiny_model("llama", seed=0)
+    for m in (reference, model):
+        if m is model:
+            enable_sim(m)
+        for i, layer in enumerate(m.model.layers):
+            m.model.layers[i] = HandRolledCheckpoint(layer)
+    with caplog.at_level(logging.WARNING, logger="hf_offload"):
+        counts = offloaded_per_step(model, reference)
+    assert counts == [0] * STEPS
+    warnings = [r.getMessage() for r in caplog.records if "runs inside torch.utils.checkpoint" in r.getMessage()]
+    assert len(warnings) == 1 and "offloads nothing from layers run inside a checkpoint" in warnings[0]
