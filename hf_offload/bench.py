@@ -88,18 +88,39 @@ def build_model(preset: str | None, model_path: str | None, device: torch.device
     return model.to(device=device, dtype=dtype).train()
 
 
+def set_checkpointing(model, enabled: bool, *, offload: bool = False) -> None:
+    """transformers' activation checkpointing (non-reentrant). Releases without the
+    activation_checkpointing_* methods (5.17 has only gradient_checkpointing_*) have no offload=True:
+    that mode is then skipped, as an ImportError says to the sweep."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        if enabled:
+            model.activation_checkpointing_enable(offload=offload)
+        else:
+            model.activation_checkpointing_disable()
+        return
+    import transformers
+
+    if offload:
+        version = transformers.__version__
+        raise ImportError(f"transformers {version} has no activation_checkpointing_enable(offload=True)")
+    if enabled:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_disable()
+
+
 def _configure(model, mode: str, device: torch.device, min_offload_bytes: int | None = None):
     """Put `model` in `mode`; returns a context factory for each forward."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     hf_offload.disable_activation_offloading(base)
-    base.activation_checkpointing_disable()
+    set_checkpointing(base, False)
     if mode in ("hf_offload", "checkpointing+hf_offload"):
         options = {} if min_offload_bytes is None else {"min_offload_bytes": min_offload_bytes}
         hf_offload.enable_activation_offloading(base, simulate_on_cpu=device.type == "cpu", **options)
     if mode in ("checkpointing", "checkpointing+hf_offload"):
-        base.activation_checkpointing_enable()
+        set_checkpointing(base, True)
     if mode == "transformers_offload":
-        base.activation_checkpointing_enable(offload=True)
+        set_checkpointing(base, True, offload=True)
     if mode == "trl_offload":
         from trl.models.activation_offloading import get_act_offloading_ctx_manager
 

@@ -12,6 +12,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_offload  # noqa: F401
+from hf_offload.bench import set_checkpointing
 
 pytestmark = [
     pytest.mark.gpu,
@@ -56,8 +57,8 @@ def test_parity_on_cuda(checkpointing):
     offloaded = copy.deepcopy(plain)
     offloaded.enable_activation_offloading(min_offload_bytes=0)
     if checkpointing:
-        plain.activation_checkpointing_enable()
-        offloaded.activation_checkpointing_enable()
+        set_checkpointing(plain, True)
+        set_checkpointing(offloaded, True)
     generator = torch.Generator().manual_seed(0)
     for _ in range(3):
         ids = torch.randint(1000, (2, 512), generator=generator).cuda()

@@ -52,6 +52,19 @@ def ratios_table(records, seq_lens) -> str:
     return "\n".join(lines)
 
 
+def package_versions() -> str:
+    """The versions the figures depend on, as imported (a carried wheel can shadow the system's)."""
+    import importlib
+
+    versions = []
+    for name in ("transformers", "peft", "trl", "accelerate"):
+        try:
+            versions.append(f"{name} {importlib.import_module(name).__version__}")
+        except ImportError:
+            versions.append(f"{name} not installed")
+    return ", ".join(versions)
+
+
 def run_tests() -> int:
     tests = Path(__file__).resolve().parents[2] / "tests" / "test_gpu.py"
     if not tests.exists():
@@ -75,12 +88,10 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("no CUDA device: the GPU check needs one")
         return 2
-    import transformers
-
     device = torch.device("cuda")
     print(f"date: {datetime.date.today().isoformat()}")
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}")
-    print(f"transformers {transformers.__version__}; Llama-3.2-1B shape, random weights, bf16, batch 1")
+    print(f"packages: {package_versions()}; Llama-3.2-1B shape, random weights, bf16, batch 1")
     model = build_model("1b", None, device, torch.bfloat16)
     records = []
     for record in sweep(
