@@ -119,3 +119,27 @@ def test_bench_without_matplotlib_still_writes_json_and_table(tmp_path, monkeypa
     assert result["records"][0]["status"] == "ok"
     assert (tmp_path / "bench.md").exists() and not (tmp_path / "bench.png").exists()
     assert "pip install 'hf-offload[bench]'" in capsys.readouterr().out
+
+
+class OlderTransformersModel:
+    """A model of a transformers release with only gradient_checkpointing_* (5.17 on the lent GPU
+    machine): what set_checkpointing is asked to do there."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
+        self.calls.append(("enable", gradient_checkpointing_kwargs))
+
+    def gradient_checkpointing_disable(self):
+        self.calls.append(("disable",))
+
+
+def test_checkpointing_on_transformers_without_activation_checkpointing_api():
+    model = OlderTransformersModel()
+    bench.set_checkpointing(model, True)
+    bench.set_checkpointing(model, False)
+    assert model.calls == [("enable", {"use_reentrant": False}), ("disable",)]
+    # offload=True does not exist there: the sweep records the mode as skipped, with the reason.
+    with pytest.raises(ImportError, match=r"has no activation_checkpointing_enable\(offload=True\)"):
+        bench.set_checkpointing(model, True, offload=True)
