@@ -133,8 +133,10 @@ def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
-def train(wrapped, inner, step_fn: Callable | None = None) -> tuple[list, list, dict]:
-    """STEPS SGD steps on this rank's batches: (losses, grads per step, final full weights)."""
+def train(wrapped, inner, step_fn: Callable | None = None, full: Callable | None = None) -> tuple[list, list, dict]:
+    """STEPS SGD steps on this rank's batches: (losses, grads per step, final full weights).
+    `full(wrapped)` returns (full gradients, full weights) where `inner`'s own do not show them."""
+    full = full or (lambda _: (full_grads(inner), full_weights(inner)))
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=LR)
     losses, grads = [], []
     for step in range(STEPS):
@@ -143,9 +145,9 @@ def train(wrapped, inner, step_fn: Callable | None = None) -> tuple[list, list, 
         loss = wrapped(input_ids=ids, labels=ids).loss
         (step_fn or (lambda loss: loss.backward()))(loss)
         losses.append(loss.detach().clone())
-        grads.append(full_grads(inner))
+        grads.append(full(wrapped)[0])
         optimizer.step()
-    return losses, grads, full_weights(inner)
+    return losses, grads, full(wrapped)[1]
 
 
 def compare(plain_run, offloaded_run, offloaded_inner) -> dict:
@@ -216,6 +218,69 @@ def scenario_fsdp2(enable_after_shard: bool = False, checkpointing: bool = False
     result["sharded_at_rest"] = all(isinstance(p, DTensor) for p in offloaded.parameters())
     result["fsdp_class"] = type(offloaded.model.layers[0]).__name__
     return result
+
+
+def scenario_fsdp1(use_orig_params: bool, enable_after_wrap: bool = False) -> dict:
+    """FSDP1 (FullyShardedDataParallel, one unit per decoder layer, CPU, gloo). It frees each
+    unit's gathered parameters after the unit's forward by resizing their storage to zero and
+    gathers them again into the same storage in backward; none of that may reach the engine."""
+    import functools
+
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    def wrap(model: torch.nn.Module) -> torch.nn.Module:
+        policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer})
+        return FSDP(model, auto_wrap_policy=policy, device_id=torch.device("cpu"), use_orig_params=use_orig_params)
+
+    plain, offloaded = twins()
+    if not enable_after_wrap:
+        enable_sim(offloaded)
+    plain_wrapped, offloaded_wrapped = wrap(plain), wrap(offloaded)
+    if enable_after_wrap:
+        enable_sim(offloaded)  # the decoder layers are inside FSDP1 units now
+    plain_run = train(plain_wrapped, plain, full=fsdp1_full)
+    with WATCH.watching(offloaded):
+        offloaded_run = train(offloaded_wrapped, offloaded, full=fsdp1_full)
+    result = compare(plain_run, offloaded_run, offloaded)
+    result["fsdp_class"] = type(offloaded.model.layers[0]).__name__
+    return result
+
+
+def fsdp1_full(wrapped: torch.nn.Module) -> tuple[dict, dict]:
+    """FSDP1's full gradients and weights on every rank. Its summon_full_params cannot gather
+    gradients of flat parameters, so each rank's gradient shard is all-gathered here."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    grads = {}
+    for name, param in wrapped.named_parameters():
+        if param.grad is not None:
+            shards: list[torch.Tensor] = [None] * dist.get_world_size()  # type: ignore[list-item]
+            dist.all_gather_object(shards, param.grad.detach().clone())
+            grads[name] = torch.cat(shards)
+    with FSDP.summon_full_params(wrapped):
+        weights = {n: p.detach().clone() for n, p in wrapped.named_parameters()}
+    return grads, weights
+
+
+@contextlib.contextmanager
+def parameters_unprotected() -> Iterator[None]:
+    """A deliberately broken engine that no longer recognises parameter storages: the watch must
+    see their copies (the companion of the parity scenarios' "no violations")."""
+    from hf_offload.engine import offloader
+
+    original = offloader.storage_ptrs
+    offloader.storage_ptrs = lambda tensors: set()
+    try:
+        yield
+    finally:
+        offloader.storage_ptrs = original
+
+
+def scenario_unprotected(wrapper: str) -> dict:
+    with parameters_unprotected():
+        return scenario_fsdp1(use_orig_params=False) if wrapper == "fsdp1" else scenario_fsdp2()
 
 
 def scenario_accelerate() -> dict:
@@ -338,6 +403,11 @@ SCENARIOS = {
     "fsdp2": scenario_fsdp2,
     "fsdp2_checkpointing": lambda: scenario_fsdp2(checkpointing=True),
     "fsdp2_enable_after_shard": lambda: scenario_fsdp2(enable_after_shard=True),
+    "fsdp1": lambda: scenario_fsdp1(use_orig_params=False),
+    "fsdp1_orig_params": lambda: scenario_fsdp1(use_orig_params=True),
+    "fsdp1_enable_after_wrap": lambda: scenario_fsdp1(use_orig_params=False, enable_after_wrap=True),
+    "fsdp1_unprotected": lambda: scenario_unprotected("fsdp1"),
+    "fsdp2_unprotected": lambda: scenario_unprotected("fsdp2"),
     "accelerate": scenario_accelerate,
 }
 OPTIONAL_SCENARIOS = {"zero3": scenario_zero3}  # run only when asked for: they need extra packages
@@ -367,6 +437,9 @@ def main() -> None:
     if rank == 0:
         with open(args.out, "w") as handle:
             json.dump({"world_size": dist.get_world_size(), "ranks": gathered}, handle, indent=1)
+    # Tear down together: a rank that destroys its gloo group while the other is still busy
+    # sometimes aborts at exit ("terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
 
 

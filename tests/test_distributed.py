@@ -1,8 +1,8 @@
 """Distributed training launched the way users launch it: `torchrun --standalone --nproc-per-node 2`
 (invoked as `python -m torch.distributed.run`), two CPU processes, gloo.
 
-One launch of tests/distributed_worker.py runs every scenario (DDP, FSDP2, accelerate's DDP
-wrapper) and writes what each rank saw to a JSON file; the tests below assert on it. DeepSpeed
+One launch of tests/distributed_worker.py runs every scenario (DDP, FSDP1, FSDP2, accelerate's
+DDP wrapper) and writes what each rank saw to a JSON file; the tests below assert on it. DeepSpeed
 ZeRO-3 gets a launch of its own, only where deepspeed is installed. Each
 scenario compares an offloaded model with an identical plain one in the same processes, so
 both go through the same collectives. The examples are launched separately, as their
@@ -133,6 +133,30 @@ def test_fsdp2_offloads_as_much_as_ddp(runs):
 def test_fsdp2_enable_after_fully_shard(runs):
     """Enabling offloading after fully_shard should work like enabling it before."""
     assert_parity_and_engaged(runs["fsdp2_enable_after_shard"])
+
+
+@pytest.mark.parametrize("scenario", ["fsdp1", "fsdp1_orig_params", "fsdp1_enable_after_wrap"])
+def test_fsdp1_parity_and_parameters_never_offloaded(runs, scenario):
+    """FSDP1 (FullyShardedDataParallel with one unit per decoder layer, use_orig_params False and
+    True), offloading enabled before wrapping, or after (the layers are then found inside the
+    FSDP1 units and wrapped there, where their parameters are gathered): loss, all-gathered gradients and final weights
+    identical to FSDP1 without offloading and to DDP; exactly what DDP offloads, and no copy to the
+    host from a gathered flat parameter, which FSDP1 frees with resize_(0) after each unit."""
+    ranks = runs[scenario]
+    assert_parity_and_engaged(ranks)
+    for result, ddp in zip(ranks, runs["ddp"], strict=True):
+        assert result["fsdp_class"] == "FullyShardedDataParallel"
+        assert result["losses"] == ddp["losses"] and result["grad_checksum"] == ddp["grad_checksum"]
+        assert result["stats"]["offloaded_tensors"] == ddp["stats"]["offloaded_tensors"]
+        assert result["stats"]["kept_tensors"]["parameter"] == ddp["stats"]["kept_tensors"]["parameter"]
+
+
+@pytest.mark.parametrize("scenario", ["fsdp1_unprotected", "fsdp2_unprotected"])
+def test_parameter_watch_catches_offloaded_parameters(runs, scenario):
+    """Companion of the "no violations" checks: with an engine that no longer recognises
+    parameter storages, the watch reports copies of FSDP's gathered parameters on every rank."""
+    for result in runs[scenario]:
+        assert result["watch"]["violations"], "the watch missed offloaded parameters"
 
 
 def test_accelerate_prepare_in_two_processes(runs):
