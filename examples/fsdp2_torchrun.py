@@ -86,6 +86,9 @@ def main() -> None:
             )
     if rank == 0:
         print(hf_offload.activation_offloading_stats(model).summary())
+    # Tear down together: a rank that destroys its gloo group while the other is still busy
+    # sometimes aborts at exit ("terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
 
 
