@@ -220,19 +220,35 @@ def scenario_fsdp2(enable_after_shard: bool = False, checkpointing: bool = False
     return result
 
 
-def scenario_fsdp1(use_orig_params: bool, enable_after_wrap: bool = False) -> dict:
+def scenario_fsdp1(use_orig_params: bool, enable_after_wrap: bool = False, checkpoint_wrappers: bool = False) -> dict:
     """FSDP1 (FullyShardedDataParallel, one unit per decoder layer, CPU, gloo). It frees each
     unit's gathered parameters after the unit's forward by resizing their storage to zero and
-    gathers them again into the same storage in backward; none of that may reach the engine."""
+    gathers them again into the same storage in backward; none of that may reach the engine.
+    `checkpoint_wrappers` then applies activation checkpointing the way accelerate's FSDP plugin
+    does (non-reentrant checkpoint_wrapper around each decoder layer inside its FSDP1 unit)."""
     import functools
 
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     def wrap(model: torch.nn.Module) -> torch.nn.Module:
         policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer})
-        return FSDP(model, auto_wrap_policy=policy, device_id=torch.device("cpu"), use_orig_params=use_orig_params)
+        wrapped = FSDP(model, auto_wrap_policy=policy, device_id=torch.device("cpu"), use_orig_params=use_orig_params)
+        if checkpoint_wrappers:
+            apply_activation_checkpointing(
+                wrapped,
+                checkpoint_wrapper_fn=functools.partial(
+                    checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT
+                ),
+                check_fn=lambda module: isinstance(module, LlamaDecoderLayer),
+            )
+        return wrapped
 
     plain, offloaded = twins()
     if not enable_after_wrap:
@@ -245,6 +261,7 @@ def scenario_fsdp1(use_orig_params: bool, enable_after_wrap: bool = False) -> di
         offloaded_run = train(offloaded_wrapped, offloaded, full=fsdp1_full)
     result = compare(plain_run, offloaded_run, offloaded)
     result["fsdp_class"] = type(offloaded.model.layers[0]).__name__
+    result["wrapped_layer_class"] = type(getattr(offloaded, hf_offload.api.MODEL_STATE_ATTR).layers[0]).__name__
     return result
 
 
@@ -406,6 +423,7 @@ SCENARIOS = {
     "fsdp1": lambda: scenario_fsdp1(use_orig_params=False),
     "fsdp1_orig_params": lambda: scenario_fsdp1(use_orig_params=True),
     "fsdp1_enable_after_wrap": lambda: scenario_fsdp1(use_orig_params=False, enable_after_wrap=True),
+    "fsdp1_checkpoint_wrappers": lambda: scenario_fsdp1(use_orig_params=True, checkpoint_wrappers=True),
     "fsdp1_unprotected": lambda: scenario_unprotected("fsdp1"),
     "fsdp2_unprotected": lambda: scenario_unprotected("fsdp2"),
     "accelerate": scenario_accelerate,

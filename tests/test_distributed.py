@@ -151,6 +151,21 @@ def test_fsdp1_parity_and_parameters_never_offloaded(runs, scenario):
         assert result["stats"]["kept_tensors"]["parameter"] == ddp["stats"]["kept_tensors"]["parameter"]
 
 
+def test_fsdp1_with_checkpoint_wrappers_applied_after_enabling(runs):
+    """accelerate's FSDP plugin order: offloading enabled, then FSDP1 units, then non-reentrant
+    checkpoint_wrapper around each decoder layer inside its unit. The first step runs as
+    checkpointing alone; from the second hf_offload wraps the CheckpointWrappers and offloads
+    only the checkpoint inputs (one per offloaded layer), with the same results as DDP."""
+    ranks = runs["fsdp1_checkpoint_wrappers"]
+    assert_parity_and_engaged(ranks)
+    for result, ddp in zip(ranks, runs["ddp"], strict=True):
+        assert result["wrapped_layer_class"] == "CheckpointWrapper"
+        assert result["losses"] == ddp["losses"] and result["grad_checksum"] == ddp["grad_checksum"]
+        # The second (last) step: the 2 checkpointed inputs of the 2 offloaded layers, nothing else.
+        assert result["stats"]["offloaded_tensors"] == 2
+        assert result["stats"]["kept_tensors"]["parameter"] == 0
+
+
 @pytest.mark.parametrize("scenario", ["fsdp1_unprotected", "fsdp2_unprotected"])
 def test_parameter_watch_catches_offloaded_parameters(runs, scenario):
     """Companion of the "no violations" checks: with an engine that no longer recognises
