@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from .adapters import UnsupportedModelError, resolve_layers
+from .adapters import resolve_layers
 from .config import OffloadOptions
 from .engine import ActivationOffloader, OffloadStats, in_backward
 
@@ -47,6 +47,7 @@ class _Controller:
         self.adapter = ""
         self.layers: list[nn.Module] = []
         self.paused = False  # the layers were re-wrapped mid-pass: the rest of the pass runs plain
+        self.unmovable: list[int] | None = None  # layer ids found inside a checkpoint we cannot wrap
 
     def parameters_outside_layers(self) -> list[torch.Tensor]:
         """Read when a forward pass starts. Each layer's own parameters are read at its call
@@ -60,32 +61,41 @@ class _Controller:
         self.engine.configure(**options.engine_options())
 
     def move_outside_checkpoint(self, name: str) -> None:
-        """Called when a wrapped layer runs inside torch.utils.checkpoint's forward, where the
-        checkpoint's hooks would never see the tensors ours take. Checkpoint wrappers applied
-        after enabling (FSDP's or accelerate's activation checkpointing) are found again and
-        wrapped instead, from the next forward pass on; the rest of this pass runs as without us."""
-        try:
-            _adapter, layers = resolve_layers(self.model)
-        except UnsupportedModelError:  # wrapped in something no adapter knows: never fail the step
-            layers = self.layers
-        if [id(layer) for layer in layers] == [id(layer) for layer in self.layers]:
-            self.engine._warn_once(
-                "inside_checkpoint",
-                f"hf_offload: decoder layer {name} runs inside torch.utils.checkpoint, and hf_offload "
-                "cannot wrap the checkpoint from outside; it offloads nothing from layers run inside a "
-                "checkpoint. Checkpoint the decoder layer modules (torch.distributed's checkpoint_wrapper, or "
-                "model.activation_checkpointing_enable()) so that hf_offload can wrap them.",
-            )
-            return
-        _uninstall(self)
-        _install(self, layers)
-        self.paused = True
+        """Called when a wrapped layer runs inside a checkpoint (in torch.utils.checkpoint's
+        forward, or recomputed by a reentrant one in backward), where the checkpoint would never
+        see the tensors our hooks take. Checkpoint wrappers applied after enabling (FSDP's or
+        accelerate's activation checkpointing) are found again and wrapped instead, from the next
+        forward pass on; the rest of this pass runs as without us."""
+        with self.engine._lock:  # nn.DataParallel replicas can get here at once
+            current = [id(layer) for layer in self.layers]
+            if current == self.unmovable:
+                return
+            try:
+                _adapter, layers = resolve_layers(self.model)
+            except Exception:  # a structure no adapter knows: never fail the step over this
+                layers = self.layers
+            if [id(layer) for layer in layers] == current:
+                self.unmovable = current  # checked once; enabling again checks anew
+                self.engine._warn_once("inside_checkpoint", _CANNOT_WRAP_CHECKPOINT.format(name=name))
+                return
+            _uninstall(self)
+            _install(self, layers)
+            self.paused = True
         self.engine._warn_once(
             "moved_outside_checkpoint",
             "hf_offload: the decoder layers were put in checkpoint wrappers after offloading was enabled; "
             "hf_offload now wraps the wrappers and offloads the checkpoint inputs from the next step on "
             "(this step ran with checkpointing alone).",
         )
+
+
+_CANNOT_WRAP_CHECKPOINT = (
+    "hf_offload: decoder layer {name} runs inside a checkpoint that hf_offload cannot wrap from outside "
+    "(torch.utils.checkpoint called around the layer by other code, or torch.distributed's composable "
+    "checkpoint(layer), which enters the checkpoint in a forward pre-hook); it offloads nothing from layers "
+    "run inside a checkpoint. Use model.activation_checkpointing_enable() or torch.distributed's "
+    "checkpoint_wrapper instead, which hf_offload wraps from outside."
+)
 
 
 class _LayerSlot:
@@ -153,11 +163,13 @@ class _EagerScope:
 
     @torch.compiler.disable(reason=_UNDER_COMPILE)
     def __enter__(self) -> None:
-        # Not in backward: a checkpoint's recompute runs the layer inside the checkpoint by design.
-        inside = self.training and torch.is_grad_enabled() and not in_backward()
-        if inside and _runs_inside_checkpoint(self.controller, self.first):
-            self.controller.move_outside_checkpoint(self.name)
-            return
+        if self.training and torch.is_grad_enabled():
+            # In backward our wrapper runs only when a reentrant checkpoint around it recomputes
+            # the layer (transformers' checkpointing recomputes the class forward, inside us).
+            recomputed = in_backward()
+            if recomputed or _runs_inside_checkpoint(self.controller, self.first):
+                self.controller.move_outside_checkpoint(self.name)
+                return
         self.scope.__enter__()
         self.entered = True
 
@@ -238,6 +250,9 @@ def _install(controller: _Controller, layers: Sequence[nn.Module]) -> None:
     unique = list(dict.fromkeys(layers))  # a layer listed twice must not wrap its own wrapper
     for position, layer in enumerate(unique):
         previous = layer.__dict__.get("forward")
+        existing: _LayerSlot | None = layer.__dict__.get(LAYER_STATE_ATTR)
+        if existing is not None and isinstance(previous, types.MethodType) and previous.__func__ is _offloaded_forward:
+            previous = existing.previous_forward  # ours already: replace it, never stack on it
         setattr(layer, LAYER_STATE_ATTR, _LayerSlot(controller, position, previous))
         layer.forward = types.MethodType(_offloaded_forward, layer)
         layer._replicate_for_data_parallel = types.MethodType(_replicate_with_offloading, layer)

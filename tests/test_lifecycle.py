@@ -11,6 +11,7 @@ from torch.utils.checkpoint import checkpoint
 
 import hf_offload
 import hf_offload.engine.offloader as offloader_module
+from hf_offload import api
 
 
 def pair(model_type="llama", **options):
@@ -135,8 +136,10 @@ def test_nothing_is_packed_during_backward():
 
 
 def test_backward_guard_is_what_prevents_packing_in_backward(monkeypatch):
-    """Companion: without the in-backward check, the same recompute does pack."""
+    """Companion: without the in-backward checks (the layer wrapper's, which takes a layer run in
+    backward for a checkpoint's recompute, and the engine's own), the same recompute does pack."""
     monkeypatch.setattr(offloader_module, "in_backward", lambda: False)
+    monkeypatch.setattr(api, "in_backward", lambda: False)
     _, offloaded = pair()
     embeds = offloaded.get_input_embeddings()(batch()).detach().requires_grad_()
     logits = checkpoint(lambda e: offloaded(inputs_embeds=e).logits, embeds, use_reentrant=True)

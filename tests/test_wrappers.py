@@ -5,12 +5,17 @@ offloading was enabled or after it."""
 
 from __future__ import annotations
 
+import functools
 import logging
+import types
 
 import pytest
 import torch
 from conftest import BATCH, SEQ, assert_bit_identical, batch, enable_sim, tiny_model, train_step
+from torch.distributed._composable import checkpoint as composable_checkpoint
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    CheckpointWrapper,
     apply_activation_checkpointing,
     checkpoint_wrapper,
 )
@@ -23,9 +28,11 @@ from hf_offload.adapters import resolve_layers
 STEPS = 3
 
 
-def wrap_in_checkpoints(model: torch.nn.Module) -> None:
+def wrap_in_checkpoints(model: torch.nn.Module, impl: CheckpointImpl = CheckpointImpl.NO_REENTRANT) -> None:
     apply_activation_checkpointing(
-        model, checkpoint_wrapper_fn=checkpoint_wrapper, check_fn=lambda m: isinstance(m, LlamaDecoderLayer)
+        model,
+        checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=impl),
+        check_fn=lambda m: isinstance(m, LlamaDecoderLayer),
     )
 
 
@@ -70,19 +77,56 @@ def test_enabled_after_checkpoint_wrapper(reference):
     assert counts == [only_checkpoint_inputs(model)] * STEPS
 
 
-def test_checkpoint_wrapper_applied_after_enabling(reference, caplog):
+@pytest.mark.parametrize(
+    "impl", [CheckpointImpl.NO_REENTRANT, CheckpointImpl.REENTRANT], ids=["non_reentrant", "reentrant"]
+)
+def test_checkpoint_wrapper_applied_after_enabling(impl, caplog):
     """Trainer and accelerate apply FSDP's activation checkpointing in prepare(), after the user
     enabled offloading: the first step runs as checkpointing alone, then hf_offload wraps the
-    wrappers and offloads the checkpoint inputs (not everything the layers save)."""
+    wrappers and offloads the checkpoint inputs (not everything the layers save). A reentrant
+    wrapper runs the layer under no_grad and is noticed when backward recomputes the layer."""
+    reference = tiny_model("llama", seed=0)
+    wrap_in_checkpoints(reference, impl)
     model = tiny_model("llama", seed=0)
     enable_sim(model)
-    wrap_in_checkpoints(model)
+    wrap_in_checkpoints(model, impl)
     with caplog.at_level(logging.WARNING, logger="hf_offload"):
         counts = offloaded_per_step(model, reference)
-    assert counts == [0] + [only_checkpoint_inputs(model)] * (STEPS - 1)
+    assert counts[0] == 0 and counts[1] > 0 and counts[1:] == [counts[1]] * (STEPS - 1)
+    layers = model.config.num_hidden_layers - 1
+    # The checkpoints' inputs only: a few tensors per offloaded layer, not the dozens a layer saves.
+    assert counts[1] <= 2 * layers
+    if impl == CheckpointImpl.NO_REENTRANT:
+        assert counts[1] == only_checkpoint_inputs(model)
     moved = [r for r in caplog.records if "hf_offload now wraps the wrappers" in r.getMessage()]
     assert len(moved) == 1
     assert all(type(layer).__name__ == "CheckpointWrapper" for layer in getattr(model, api.MODEL_STATE_ATTR).layers)
+
+
+def test_checkpoint_wrapper_around_compiled_layer_is_wrapped_itself():
+    """CheckpointWrapper forwards unknown attribute lookups to the module inside it: the adapters
+    must not mistake the compiled (or FSDP1) module inside it for its own wrapped module, or they
+    would wrap inside the checkpoint."""
+    model = tiny_model("llama", seed=0)
+    for i, layer in enumerate(model.model.layers):
+        model.model.layers[i] = CheckpointWrapper(torch.compile(layer))
+    _, layers = resolve_layers(model)
+    assert [type(layer).__name__ for layer in layers] == ["CheckpointWrapper"] * model.config.num_hidden_layers
+
+
+def test_two_threads_moving_at_once_never_stack_wrappers():
+    """nn.DataParallel replicas reach the first layer together: re-wrapping twice must leave one
+    wrapper per layer, never ours around ours (which recursed without end)."""
+    model = tiny_model("llama", seed=0)
+    enable_sim(model)
+    wrap_in_checkpoints(model)
+    controller = getattr(model, api.MODEL_STATE_ATTR)
+    controller.move_outside_checkpoint("0")
+    api._install(controller, controller.layers)  # what a second thread's move did before the lock
+    for layer in model.model.layers:
+        previous = layer._hf_offload_layer.previous_forward
+        assert not (isinstance(previous, types.MethodType) and previous.__func__ is api._offloaded_forward)
+    train_step(model, batch())
 
 
 def test_without_the_check_the_checkpoint_is_defeated(reference, monkeypatch):
@@ -107,16 +151,33 @@ class HandRolledCheckpoint(torch.nn.Module):
         return checkpoint(self.inner, *args, use_reentrant=False, **kwargs)
 
 
-def test_checkpoint_that_cannot_be_wrapped_runs_plain_and_says_so(caplog):
+def hand_rolled(model: torch.nn.Module) -> None:
+    for i, layer in enumerate(model.model.layers):
+        model.model.layers[i] = HandRolledCheckpoint(layer)
+
+
+def composable(model: torch.nn.Module) -> None:
+    for layer in model.model.layers:
+        composable_checkpoint(layer)
+
+
+@pytest.mark.parametrize("apply", [hand_rolled, composable], ids=["hand_rolled", "composable"])
+def test_checkpoint_that_cannot_be_wrapped_runs_plain_and_says_so(apply, caplog, monkeypatch):
+    """torch.distributed's composable checkpoint(layer) enters its checkpoint in a forward
+    pre-hook, so any wrapper of the layer's forward runs inside it; a hand-rolled module calling
+    torch.utils.checkpoint is opaque to the adapters. Both train exactly as checkpointing alone,
+    with one warning, and the layers are looked for once, not at every layer call."""
+    resolved = []
+    monkeypatch.setattr(api, "resolve_layers", lambda model: resolved.append(1) or resolve_layers(model))
     reference = tiny_model("llama", seed=0)
     model = tiny_model("llama", seed=0)
-    for m in (reference, model):
-        if m is model:
-            enable_sim(m)
-        for i, layer in enumerate(m.model.layers):
-            m.model.layers[i] = HandRolledCheckpoint(layer)
+    enable_sim(model)
+    apply(reference)
+    apply(model)
+    resolved.clear()
     with caplog.at_level(logging.WARNING, logger="hf_offload"):
         counts = offloaded_per_step(model, reference)
     assert counts == [0] * STEPS
-    warnings = [r.getMessage() for r in caplog.records if "runs inside torch.utils.checkpoint" in r.getMessage()]
+    assert len(resolved) == 1
+    warnings = [r.getMessage() for r in caplog.records if "cannot wrap from outside" in r.getMessage()]
     assert len(warnings) == 1 and "offloads nothing from layers run inside a checkpoint" in warnings[0]

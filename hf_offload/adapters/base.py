@@ -41,9 +41,12 @@ _CHECKPOINTS_INNER = "_checkpoint_wrapped_module"
 
 
 def _inner(module: nn.Module, attributes: tuple[str, ...]) -> nn.Module | None:
+    # The module's own children only: CheckpointWrapper forwards unknown attribute lookups to
+    # the module inside it, so getattr would see through it to an FSDP1 unit it holds.
+    children = module._modules
     for attribute in attributes:
-        inner = getattr(module, attribute, None)
-        if isinstance(inner, nn.Module):
+        inner = children.get(attribute)
+        if inner is not None:
             return inner
     return None
 
