@@ -48,6 +48,7 @@ class _Controller:
         self.layers: list[nn.Module] = []
         self.paused = False  # the layers were re-wrapped mid-pass: the rest of the pass runs plain
         self.unmovable: list[int] | None = None  # layer ids found inside a checkpoint we cannot wrap
+        self.installations = 0
 
     def parameters_outside_layers(self) -> list[torch.Tensor]:
         """Read when a forward pass starts. Each layer's own parameters are read at its call
@@ -60,13 +61,15 @@ class _Controller:
         self.options = options
         self.engine.configure(**options.engine_options())
 
-    def move_outside_checkpoint(self, name: str) -> None:
+    def move_outside_checkpoint(self, slot: _LayerSlot, name: str) -> None:
         """Called when a wrapped layer runs inside a checkpoint (in torch.utils.checkpoint's
         forward, or recomputed by a reentrant one in backward), where the checkpoint would never
         see the tensors our hooks take. Checkpoint wrappers applied after enabling (FSDP's or
         accelerate's activation checkpointing) are found again and wrapped instead, from the next
         forward pass on; the rest of this pass runs as without us."""
         with self.engine._lock:  # nn.DataParallel replicas can get here at once
+            if slot.installation != self.installations:
+                return  # another replica's thread has moved the wrappers already
             current = [id(layer) for layer in self.layers]
             if current == self.unmovable:
                 return
@@ -99,13 +102,14 @@ _CANNOT_WRAP_CHECKPOINT = (
 
 
 class _LayerSlot:
-    __slots__ = ("controller", "position", "previous_forward")
+    __slots__ = ("controller", "position", "previous_forward", "installation")
 
     def __init__(self, controller: _Controller, position: int, previous_forward: object) -> None:
         self.controller = controller
         self.position = position
         # An instance-level forward that was there before us (accelerate hooks set one).
         self.previous_forward = previous_forward
+        self.installation = controller.installations  # which _install put it there
 
 
 def _outer_saved_tensors_hooks_module() -> str | None:
@@ -155,10 +159,10 @@ class _EagerScope:
     """The engine's layer scope, entered and left outside torch.compile: dynamo must not trace
     the engine (host buffers, copies, streams, events) into graphs of its own."""
 
-    __slots__ = ("controller", "scope", "first", "training", "name", "entered")
+    __slots__ = ("controller", "scope", "slot", "training", "name", "entered")
 
-    def __init__(self, controller: _Controller, scope, first: bool, training: bool, name: str) -> None:
-        self.controller, self.scope, self.first, self.training, self.name = controller, scope, first, training, name
+    def __init__(self, controller: _Controller, scope, slot: _LayerSlot, training: bool, name: str) -> None:
+        self.controller, self.scope, self.slot, self.training, self.name = controller, scope, slot, training, name
         self.entered = False
 
     @torch.compiler.disable(reason=_UNDER_COMPILE)
@@ -167,8 +171,8 @@ class _EagerScope:
             # In backward our wrapper runs only when a reentrant checkpoint around it recomputes
             # the layer (transformers' checkpointing recomputes the class forward, inside us).
             recomputed = in_backward()
-            if recomputed or _runs_inside_checkpoint(self.controller, self.first):
-                self.controller.move_outside_checkpoint(self.name)
+            if recomputed or _runs_inside_checkpoint(self.controller, self.slot.position == 0):
+                self.controller.move_outside_checkpoint(self.slot, self.name)
                 return
         self.scope.__enter__()
         self.entered = True
@@ -217,7 +221,7 @@ def _offloaded_forward(self: nn.Module, *args, **kwargs):
     )
     if _under_torch_compile():
         controller.engine._warn_once("compile", "hf_offload: " + _UNDER_COMPILE)
-    with _EagerScope(controller, scope, slot.position == 0, self.training, name):
+    with _EagerScope(controller, scope, slot, self.training, name):
         return forward(*args, **kwargs)
 
 
@@ -248,6 +252,7 @@ def _unwrap(model: object) -> nn.Module:
 
 def _install(controller: _Controller, layers: Sequence[nn.Module]) -> None:
     unique = list(dict.fromkeys(layers))  # a layer listed twice must not wrap its own wrapper
+    controller.installations += 1
     for position, layer in enumerate(unique):
         previous = layer.__dict__.get("forward")
         existing: _LayerSlot | None = layer.__dict__.get(LAYER_STATE_ATTR)
