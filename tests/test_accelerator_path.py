@@ -137,10 +137,16 @@ def test_accelerator_path_is_exact_and_issues_the_designed_orderings(accelerator
     assert len(pageable) == 1
 
 
-def test_trimming_the_pool_survives_a_backend_without_host_cache(accelerator):
+def test_trimming_the_pool_survives_a_backend_without_host_cache(accelerator, monkeypatch):
     """The pool gives its free buffers back (and asks torch to release its cache of them) when it
-    would grow past max_host_bytes mid-training; with no accelerator torch raises there."""
+    would grow past max_host_bytes mid-training; torch raises there without an accelerator."""
+    calls = []
+
+    def no_host_cache():
+        calls.append(1)
+        raise RuntimeError("Cannot access accelerator device when none is available.")
+
+    monkeypatch.setattr(torch.accelerator, "empty_host_cache", no_host_cache, raising=False)
     streams = streams_module.AcceleratorStreams(torch.device("cpu"))
-    with pytest.raises(RuntimeError):
-        torch.accelerator.empty_host_cache()
     streams.empty_host_cache()  # logged at debug level, never raised
+    assert calls == [1]
