@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import copy
 import gc
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -68,6 +72,28 @@ def assert_bit_identical(expected: dict[str, torch.Tensor], actual: dict[str, to
     assert expected, "no gradients were produced"
     differing = [name for name in expected if not torch.equal(expected[name], actual[name])]
     assert not differing, f"gradients differ for {differing[:5]}"
+
+
+def assert_same_step(plain: torch.nn.Module, model: torch.nn.Module, ids: torch.Tensor, where: str = "") -> None:
+    """One training step of each on `ids`: bit-identical losses and gradients."""
+    expected_loss, expected = train_step(plain, ids)
+    loss, actual = train_step(model, ids)
+    assert torch.equal(expected_loss, loss), f"losses differ {where}".strip()
+    assert_bit_identical(expected, actual)
+
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def run_example(script: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run examples/<script> as a user would, in a fresh interpreter."""
+    return subprocess.run(
+        [sys.executable, str(EXAMPLES / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def quiet_training_args(output_dir, **overrides) -> dict:

@@ -9,19 +9,15 @@ from __future__ import annotations
 
 import copy
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState, GradientState
-from conftest import SEQ, VOCAB, enable_sim, tiny_model
+from conftest import SEQ, VOCAB, enable_sim, run_example, tiny_model
 
 import hf_offload
 
-ROOT = Path(__file__).resolve().parent.parent
 GRAD_ACCUM = 2
 OPTIMIZER_STEPS = 2
 LAYERS = 3  # tiny_model's num_hidden_layers
@@ -147,22 +143,16 @@ def test_bf16_mixed_precision_wraps_forward_and_offloading_still_engages():
 def test_accelerate_example_runs_with_local_model(tmp_path):
     """examples/accelerate_loop.py with --model on a local directory (local_files_only=True)."""
     tiny_model("llama").save_pretrained(tmp_path)
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "examples" / "accelerate_loop.py"),
-            "--model",
-            str(tmp_path),
-            "--steps",
-            "2",
-            "--seq-len",
-            "16",
-            "--compare",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    result = run_example(
+        "accelerate_loop.py",
+        "--model",
+        str(tmp_path),
+        "--steps",
+        "2",
+        "--seq-len",
+        "16",
+        "--compare",
+        env={"HF_HUB_OFFLINE": "1"},
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     assert "processes: 1" in result.stdout and "step 1: loss" in result.stdout

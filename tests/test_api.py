@@ -8,7 +8,7 @@ import inspect
 
 import pytest
 import torch
-from conftest import assert_bit_identical, batch, enable_sim, tiny_model, train_step, twin
+from conftest import assert_bit_identical, assert_same_step, batch, enable_sim, tiny_model, train_step, twin
 from peft import LoraConfig, get_peft_model
 
 import hf_offload
@@ -56,10 +56,7 @@ def test_enable_twice_reconfigures_without_stacking():
     for layer in model.model.layers:
         slot = layer.__dict__["_hf_offload_layer"]
         assert slot.previous_forward is None  # wraps the class forward, not our own wrapper
-    expected_loss, expected = train_step(plain, batch())
-    loss, actual = train_step(model, batch())
-    assert torch.equal(expected_loss, loss)
-    assert_bit_identical(expected, actual)
+    assert_same_step(plain, model, batch())
     stats = model.activation_offloading_stats()
     assert stats.layers_offloaded == 1  # the new keep_last_layers=2 is in force
     assert stats.total_layer_scopes == 3  # one scope per layer call: nothing stacked
@@ -79,10 +76,7 @@ def test_an_existing_instance_forward_is_wrapped_and_restored():
 
     layer.forward = user_wrapper
     enable_sim(model)
-    expected_loss, expected = train_step(plain, batch())
-    loss, actual = train_step(model, batch())
-    assert torch.equal(expected_loss, loss)
-    assert_bit_identical(expected, actual)
+    assert_same_step(plain, model, batch())
     assert calls == [1]
     model.disable_activation_offloading()
     assert layer.__dict__["forward"] is user_wrapper
@@ -96,10 +90,7 @@ def test_works_on_a_peft_model():
     peft_model.enable_activation_offloading(simulate_on_cpu=True, min_offload_bytes=0)
     assert peft_model.is_activation_offloading
     assert hf_offload.is_activation_offloading(peft_model)
-    expected_loss, expected = train_step(plain, batch())
-    loss, actual = train_step(peft_model, batch())
-    assert torch.equal(expected_loss, loss)
-    assert_bit_identical(expected, actual)
+    assert_same_step(plain, peft_model, batch())
     assert hf_offload.activation_offloading_stats(peft_model).offloaded_tensors > 0
     hf_offload.disable_activation_offloading(peft_model)
     assert not peft_model.is_activation_offloading

@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from conftest import run_example
 
 from hf_offload.cli import main
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_demo_reports_bit_identical_runs(capsys):
@@ -28,11 +23,6 @@ def test_demo_rejects_bad_values(capsys):
 
 
 def test_own_loop_example_runs():
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "own_loop.py"), "--steps", "2", "--seq-len", "32"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = run_example("own_loop.py", "--steps", "2", "--seq-len", "32")
     assert result.returncode == 0, result.stderr
     assert "step 1: loss" in result.stdout and "offloaded:" in result.stdout

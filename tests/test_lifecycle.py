@@ -5,7 +5,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_bit_identical, batch, collect, enable_sim, grads, loss_of, tiny_model, train_step, twin
+from conftest import (
+    assert_bit_identical,
+    assert_same_step,
+    batch,
+    collect,
+    enable_sim,
+    grads,
+    loss_of,
+    tiny_model,
+    train_step,
+    twin,
+)
 from routing import parameter_ptrs, spy_host_copies
 from torch.utils.checkpoint import checkpoint
 
@@ -84,10 +95,7 @@ def test_exception_inside_a_layer_leaves_the_model_usable(monkeypatch):
     # No hooks context left behind: a plain forward outside the model saves normally.
     x = torch.randn(3, requires_grad=True)
     assert x.exp().grad_fn._saved_result is not None
-    expected_loss, expected = train_step(plain, batch())
-    loss, actual = train_step(offloaded, batch())
-    assert torch.equal(expected_loss, loss)
-    assert_bit_identical(expected, actual)
+    assert_same_step(plain, offloaded, batch())
 
 
 @pytest.mark.parametrize(
@@ -171,10 +179,7 @@ def test_embeddings_norm_lm_head_logits_and_loss_are_never_offloaded(monkeypatch
 @pytest.mark.parametrize("keep_last_layers", [0, 1, 2, 3])
 def test_keep_last_layers(keep_last_layers):
     plain, offloaded = pair(keep_last_layers=keep_last_layers)
-    expected_loss, expected = train_step(plain, batch())
-    loss, actual = train_step(offloaded, batch())
-    assert torch.equal(expected_loss, loss)
-    assert_bit_identical(expected, actual)
+    assert_same_step(plain, offloaded, batch())
     s = stats(offloaded)
     assert s.layers_offloaded == 3 - keep_last_layers
     assert (s.kept_tensors["kept_layer"] > 0) == (keep_last_layers > 0)
@@ -183,10 +188,7 @@ def test_keep_last_layers(keep_last_layers):
 
 def test_min_offload_bytes_keeps_small_tensors():
     plain, offloaded = pair(min_offload_bytes=10**9)
-    expected_loss, expected = train_step(plain, batch())
-    loss, actual = train_step(offloaded, batch())
-    assert torch.equal(expected_loss, loss)
-    assert_bit_identical(expected, actual)
+    assert_same_step(plain, offloaded, batch())
     s = stats(offloaded)
     assert s.offloaded_tensors == 0 and s.kept_tensors["too_small"] > 0
     # A threshold between the sizes splits them.

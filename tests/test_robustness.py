@@ -5,7 +5,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_bit_identical, batch, collect, enable_sim, loss_of, tiny_model, train_step, twin
+from conftest import (
+    assert_bit_identical,
+    assert_same_step,
+    batch,
+    collect,
+    enable_sim,
+    loss_of,
+    tiny_model,
+    train_step,
+    twin,
+)
 
 import hf_offload
 from hf_offload.config import HOST_MEMORY_SHARE, default_max_host_bytes
@@ -26,10 +36,7 @@ def pair(**options):
 def checked_step(plain, offloaded, seed=1):
     """One step on both; asserts parity and that every saved tensor was counted exactly once."""
     before = stats(offloaded).total_pack_calls
-    expected_loss, expected = train_step(plain, batch(seed))
-    loss, actual = train_step(offloaded, batch(seed))
-    assert torch.equal(expected_loss, loss)
-    assert_bit_identical(expected, actual)
+    assert_same_step(plain, offloaded, batch(seed))
     s = stats(offloaded)
     assert s.total_pack_calls - before == s.offloaded_tensors + sum(s.kept_tensors.values())
     return s
@@ -132,10 +139,7 @@ def test_switching_off_and_on_between_steps():
     plain, offloaded = pair()
     checked_step(plain, offloaded, 1)
     offloaded.disable_activation_offloading()
-    expected_loss, expected = train_step(plain, batch(2))
-    loss, actual = train_step(offloaded, batch(2))
-    assert torch.equal(expected_loss, loss)
-    assert_bit_identical(expected, actual)
+    assert_same_step(plain, offloaded, batch(2))
     enable_sim(offloaded)
     s = checked_step(plain, offloaded, 3)
     assert s.offloaded_tensors > 0
@@ -253,10 +257,7 @@ def test_a_layer_listed_twice_is_wrapped_once():
         plain = tiny_model("qwen3")
         model = twin(plain)
         enable_sim(model)
-        expected_loss, expected = train_step(plain, batch())
-        loss, actual = train_step(model, batch())
-        assert torch.equal(expected_loss, loss)
-        assert_bit_identical(expected, actual)
+        assert_same_step(plain, model, batch())
         assert stats(model).total_layer_scopes == 3
     finally:
         hf_offload.unregister_adapter("qwen3")

@@ -4,19 +4,16 @@ identical to the same run without offloading; and the example script runs."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import VOCAB, batch, enable_sim, quiet_training_args, tiny_model, twin
+from conftest import VOCAB, batch, enable_sim, quiet_training_args, run_example, tiny_model, twin
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 import hf_offload
 
-ROOT = Path(__file__).resolve().parent.parent
 LAYERS = 3  # tiny_model's num_hidden_layers
 
 
@@ -165,12 +162,7 @@ def test_save_checkpoint_and_resume(tmp_path, tuning):
 
 
 def test_trainer_lora_example_runs():
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "trainer_lora.py"), "--steps", "2", "--seq-len", "32", "--compare"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = run_example("trainer_lora.py", "--steps", "2", "--seq-len", "32", "--compare")
     assert result.returncode == 0, result.stderr
     assert "losses with offloading:" in result.stdout
     assert "identical to the run without offloading: yes" in result.stdout

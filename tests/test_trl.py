@@ -7,13 +7,11 @@ tiny random Llama, the datasets come from datasets.Dataset.from_dict."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import enable_sim, quiet_training_args, tiny_model, twin
+from conftest import enable_sim, quiet_training_args, run_example, tiny_model, twin
 from datasets import Dataset
 from peft import LoraConfig
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -22,7 +20,6 @@ from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
 
 import hf_offload
 
-ROOT = Path(__file__).resolve().parent.parent
 LAYERS = 3  # tiny_model's num_hidden_layers
 STEPS = 3
 SPECIAL = ["<pad>", "<unk>", "<bos>", "<eos>"]
@@ -259,12 +256,7 @@ def test_both_offloadings_on_warn_with_what_to_do(tmp_path, monkeypatch, caplog)
 
 
 def test_trl_sft_example_runs():
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "trl_sft.py"), "--steps", "2", "--compare"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = run_example("trl_sft.py", "--steps", "2", "--compare")
     assert result.returncode == 0, result.stderr
     assert "losses with offloading:" in result.stdout
     assert "identical to the run without offloading: yes" in result.stdout

@@ -11,7 +11,7 @@ import types
 
 import pytest
 import torch
-from conftest import BATCH, SEQ, assert_bit_identical, batch, enable_sim, tiny_model, train_step
+from conftest import BATCH, SEQ, assert_same_step, batch, enable_sim, tiny_model, train_step
 from torch.distributed._composable import checkpoint as composable_checkpoint
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     CheckpointImpl,
@@ -42,10 +42,7 @@ def offloaded_per_step(model, reference) -> list[int]:
     counts = []
     for step in range(STEPS):
         ids = batch(seed=step)
-        expected_loss, expected = train_step(reference, ids)
-        loss, actual = train_step(model, ids)
-        assert torch.equal(expected_loss, loss), f"step {step}"
-        assert_bit_identical(expected, actual)
+        assert_same_step(reference, model, ids, f"step {step}")
         counts.append(model.activation_offloading_stats().offloaded_tensors)
     return counts
 
