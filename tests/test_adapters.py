@@ -34,20 +34,18 @@ def test_generic_fallback_for_an_unregistered_decoder_only_model():
     assert model.activation_offloading_stats().offloaded_tensors > 0
 
 
+def tiny_gemma3(vision_layers: int) -> torch.nn.Module:
+    """A tiny gemma3 vision-language model: a gemma text decoder beside a vision tower."""
+    vision = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=vision_layers, num_attention_heads=4, image_size=32,
+        patch_size=8,
+    )  # fmt: skip
+    config = AutoConfig.for_model("gemma3", text_config=dict(TINY_CONFIGS["gemma"]), vision_config=vision)
+    return AutoModelForCausalLM.from_config(config)
+
+
 def test_composite_model_resolves_its_text_decoder():
-    config = AutoConfig.for_model(
-        "gemma3",
-        text_config=dict(TINY_CONFIGS["gemma"]),
-        vision_config=dict(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            image_size=32,
-            patch_size=8,
-        ),
-    )
-    model = AutoModelForCausalLM.from_config(config)
+    model = tiny_gemma3(vision_layers=2)
     adapter, layers = resolve_layers(model)
     assert adapter == "generic"
     assert layers == list(model.get_decoder().layers)
@@ -57,19 +55,7 @@ def test_composite_model_resolves_its_text_decoder():
 def test_registered_text_config_type_is_used_for_composites():
     hf_offload.register_adapter("gemma3_text", lambda model: list(model.get_decoder().layers))
     try:
-        config = AutoConfig.for_model(
-            "gemma3",
-            text_config=dict(TINY_CONFIGS["gemma"]),
-            vision_config=dict(
-                hidden_size=32,
-                intermediate_size=64,
-                num_hidden_layers=1,
-                num_attention_heads=4,
-                image_size=32,
-                patch_size=8,
-            ),
-        )
-        adapter, _ = resolve_layers(AutoModelForCausalLM.from_config(config))
+        adapter, _ = resolve_layers(tiny_gemma3(vision_layers=1))
         assert adapter == "gemma3_text"
     finally:
         hf_offload.unregister_adapter("gemma3_text")
