@@ -14,7 +14,7 @@ import functools
 import itertools
 import logging
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -43,23 +43,33 @@ class _Controller:
     def __init__(self, model: nn.Module, options: OffloadOptions) -> None:
         self.model = model
         self.options = options
-        self.engine = ActivationOffloader(**options.engine_options())
+        self.engine = ActivationOffloader(**self.engine_options(options))
         self.adapter = ""
         self.layers: list[nn.Module] = []
         self.paused = False  # the layers were re-wrapped mid-pass: the rest of the pass runs plain
         self.unmovable: list[int] | None = None  # layer ids found inside a checkpoint we cannot wrap
         self.installations = 0
+        self._outside: _ModuleCache = _ModuleCache()
 
-    def parameters_outside_layers(self) -> list[torch.Tensor]:
-        """Read when a forward pass starts. Each layer's own parameters are read at its call
-        instead: FSDP2 frees a layer's unsharded weights after its forward, and activations
-        of later layers reuse that memory."""
-        inside = {id(p) for layer in self.layers for p in layer.parameters()}
-        return [p for p in self.model.parameters() if id(p) not in inside]
+    def engine_options(self, options: OffloadOptions) -> dict[str, object]:
+        engine_options = options.engine_options()
+        if engine_options["max_device_bytes"] == "auto":
+            engine_options["max_device_bytes"] = functools.partial(_auto_device_budget, self)
+        return engine_options
+
+    def tensors_outside_layers(self) -> Iterator[torch.Tensor]:
+        """The parameters and buffers of every module not inside a decoder layer, read when a
+        forward pass first needs them. Each layer's own are read at its call instead: FSDP2 frees
+        a layer's unsharded weights after its forward, and later layers reuse that memory."""
+        return self._outside.tensors(self._modules_outside_layers)
+
+    def _modules_outside_layers(self) -> list[nn.Module]:
+        inside = {id(module) for layer in self.layers for module in layer.modules()}
+        return [module for module in self.model.modules() if id(module) not in inside]
 
     def configure(self, options: OffloadOptions) -> None:
         self.options = options
-        self.engine.configure(**options.engine_options())
+        self.engine.configure(**self.engine_options(options))
 
     def move_outside_checkpoint(self, slot: _LayerSlot, name: str) -> None:
         """Called when a wrapped layer runs inside a checkpoint (in torch.utils.checkpoint's
@@ -101,15 +111,95 @@ _CANNOT_WRAP_CHECKPOINT = (
 )
 
 
-class _LayerSlot:
-    __slots__ = ("controller", "position", "previous_forward", "installation")
+class _ModuleCache:
+    """The parameter and buffer dicts of a list of modules, rebuilt only when one of those
+    modules registered a submodule, parameter or buffer since: walking a LoRA model's module
+    tree takes milliseconds, too long for every layer call. The dicts themselves are read at
+    each use, so a parameter swapped in place (FSDP2 swaps sharded and gathered ones by writing
+    `module._parameters` directly) or given new storage (`model.to`, ZeRO-3) is seen."""
 
-    def __init__(self, controller: _Controller, position: int, previous_forward: object) -> None:
+    __slots__ = ("modules", "dicts", "generation")
+
+    def __init__(self) -> None:
+        self.modules: list[nn.Module] = []
+        self.dicts: list[dict[str, torch.Tensor | None]] = []
+        self.generation = -1
+
+    def tensors(self, build: Callable[[], list[nn.Module]]) -> Iterator[torch.Tensor]:
+        if self.generation != _structure_generation[0]:
+            self.modules = build()
+            self.dicts = [d for module in self.modules for d in (module._parameters, module._buffers) if d]
+            self.generation = _structure_generation[0]
+            _watched_modules.update(map(id, self.modules))
+        for tensors in self.dicts:
+            for tensor in tensors.values():
+                if tensor is not None:
+                    yield tensor
+
+
+# Bumped by torch's global registration hooks when a module some cache was built from registers
+# a submodule, parameter or buffer (PEFT's get_peft_model, FSDP1 or checkpoint wrapping, a module
+# replaced by assignment); the containers a forward pass builds and drops (transformers slices
+# its ModuleList of layers) are not watched.
+_structure_generation = [0]
+_watched_modules: set[int] = set()
+_registration_hooks: list = []
+
+
+def _structure_changed(module: nn.Module, _name: str, _value: object) -> None:
+    if id(module) in _watched_modules:
+        _structure_generation[0] += 1
+
+
+def _watch_module_structure() -> None:
+    if not _registration_hooks:
+        registrations = torch.nn.modules.module
+        _registration_hooks.extend(
+            register(_structure_changed)
+            for register in (
+                registrations.register_module_module_registration_hook,
+                registrations.register_module_parameter_registration_hook,
+                registrations.register_module_buffer_registration_hook,
+            )
+        )
+
+
+class _LayerSlot:
+    __slots__ = ("controller", "position", "previous_forward", "installation", "name", "_modules", "_device_probe")
+
+    def __init__(self, controller: _Controller, position: int, previous_forward: object, layer: nn.Module) -> None:
         self.controller = controller
         self.position = position
         # An instance-level forward that was there before us (accelerate hooks set one).
         self.previous_forward = previous_forward
         self.installation = controller.installations  # which _install put it there
+        self.name = f"{position} ({type(layer).__name__})"
+        self._modules = _ModuleCache()
+        self._device_probe: tuple[nn.Module, str] | None = None
+
+    def tensors(self, layer: nn.Module) -> Iterator[torch.Tensor]:
+        """The layer's parameters and buffers as they are now."""
+        return self._modules.tensors(lambda: list(layer.modules()))
+
+    def device(self, layer: nn.Module, args: tuple, kwargs: dict) -> torch.device | None:
+        """Where the layer computes: its parameters' device, read from one parameter found once
+        (by module and name, so that a parameter replaced since, as accelerate's offloading does,
+        is read anew). Inputs can still be on the previous layer's device when accelerate's hooks
+        (device_map="auto") move them inside the call."""
+        probe = self._device_probe
+        if probe is not None:
+            parameter = probe[0]._parameters.get(probe[1])
+            if parameter is not None and parameter.device.type != "meta":
+                return parameter.device
+        for module in layer.modules():
+            for name, parameter in module._parameters.items():
+                if parameter is not None and parameter.device.type != "meta":
+                    self._device_probe = (module, name)
+                    return parameter.device
+        for value in itertools.chain(args, kwargs.values()):
+            if isinstance(value, torch.Tensor):
+                return value.device
+        return None
 
 
 def _outer_saved_tensors_hooks_module() -> str | None:
@@ -136,18 +226,6 @@ def _runs_inside_checkpoint(controller: _Controller, first: bool) -> bool:
     return module == "torch.utils.checkpoint"
 
 
-def _layer_device(layer: nn.Module, args: tuple, kwargs: dict) -> torch.device | None:
-    """Where the layer computes: its parameters' device. Inputs can still be on the previous
-    layer's device when accelerate's hooks (device_map="auto") move them inside the call."""
-    for parameter in layer.parameters():
-        if parameter.device.type != "meta":
-            return parameter.device
-    for value in itertools.chain(args, kwargs.values()):
-        if isinstance(value, torch.Tensor):
-            return value.device
-    return None
-
-
 _UNDER_COMPILE = (
     "hf_offload runs the offload scope around each decoder layer eagerly, so torch.compile splits the "
     "graph there (each decoder layer compiles on its own) and fullgraph=True cannot be used with "
@@ -159,27 +237,50 @@ class _EagerScope:
     """The engine's layer scope, entered and left outside torch.compile: dynamo must not trace
     the engine (host buffers, copies, streams, events) into graphs of its own."""
 
-    __slots__ = ("controller", "scope", "slot", "training", "name", "entered")
+    __slots__ = ("controller", "slot", "layer", "args", "kwargs", "group", "hooks")
 
-    def __init__(self, controller: _Controller, scope, slot: _LayerSlot, training: bool, name: str) -> None:
-        self.controller, self.scope, self.slot, self.training, self.name = controller, scope, slot, training, name
-        self.entered = False
+    def __init__(self, controller: _Controller, slot: _LayerSlot, layer: nn.Module, args: tuple, kwargs: dict) -> None:
+        self.controller, self.slot, self.layer, self.args, self.kwargs = controller, slot, layer, args, kwargs
+        self.group = None
+        self.hooks = None
 
     @torch.compiler.disable(reason=_UNDER_COMPILE)
     def __enter__(self) -> None:
-        if self.training and torch.is_grad_enabled():
-            # In backward our wrapper runs only when a reentrant checkpoint around it recomputes
-            # the layer (transformers' checkpointing recomputes the class forward, inside us).
-            recomputed = in_backward()
-            if recomputed or _runs_inside_checkpoint(self.controller, self.slot.position == 0):
-                self.controller.move_outside_checkpoint(self.slot, self.name)
-                return
-        self.scope.__enter__()
-        self.entered = True
+        controller, slot, layer = self.controller, self.slot, self.layer
+        first = slot.position == 0
+        # In backward our wrapper runs only when a reentrant checkpoint around it recomputes the
+        # layer (transformers' checkpointing recomputes the class forward, inside us).
+        if in_backward() or _runs_inside_checkpoint(controller, first):
+            controller.move_outside_checkpoint(slot, slot.name)
+            return
+        group = controller.engine.enter_layer(
+            training=True,
+            device=slot.device(layer, self.args, self.kwargs),
+            starts_pass=first,
+            keep=slot.position >= len(controller.layers) - controller.options.keep_last_layers,
+            protected=functools.partial(slot.tensors, layer),
+            pass_protected=controller.tensors_outside_layers,
+            tokens=_tokens(self.args, self.kwargs) if first else None,
+        )
+        if group is None:
+            return
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(group.pack, group.unpack)
+        self.hooks.__enter__()
+        self.group = group
 
     @torch.compiler.disable(reason=_UNDER_COMPILE)
-    def __exit__(self, *exc_info) -> bool | None:
-        return self.scope.__exit__(*exc_info) if self.entered else None
+    def __exit__(self, *exc_info) -> None:
+        if self.group is not None:
+            self.hooks.__exit__(*exc_info)
+            self.controller.engine.exit_layer(self.group, self.slot.name)
+
+
+def _tokens(args: tuple, kwargs: dict) -> int | None:
+    """Tokens in a pass, from the first decoder layer's hidden states (batch x sequence x hidden)."""
+    hidden = args[0] if args else kwargs.get("hidden_states")
+    if isinstance(hidden, torch.Tensor) and hidden.dim() >= 2 and hidden.shape[-1]:
+        return hidden.numel() // hidden.shape[-1]
+    return None
 
 
 @torch.compiler.disable(recursive=False, reason=_UNDER_COMPILE)  # recursive=False keeps the callback set
@@ -208,20 +309,12 @@ def _offloaded_forward(self: nn.Module, *args, **kwargs):
         if slot.position != 0:
             return forward(*args, **kwargs)
         controller.paused = False
-    keep = slot.position >= len(controller.layers) - controller.options.keep_last_layers
-    name = f"{slot.position} ({type(self).__name__})"
-    scope = controller.engine.layer_scope(
-        training=self.training,
-        device=_layer_device(self, args, kwargs),
-        starts_pass=slot.position == 0,
-        keep=keep,
-        protected=lambda: itertools.chain(self.parameters(), self.buffers()),
-        pass_protected=controller.parameters_outside_layers,
-        name=name,
-    )
-    if _under_torch_compile():
+    # Evaluation, no_grad and generate(): the engine does nothing, so nothing of it runs.
+    if not (self.training and torch.is_grad_enabled()):
+        return forward(*args, **kwargs)
+    if slot.position == 0 and _under_torch_compile():  # the first layer speaks for the pass
         controller.engine._warn_once("compile", "hf_offload: " + _UNDER_COMPILE)
-    with _EagerScope(controller, scope, slot, self.training, name):
+    with _EagerScope(controller, slot, self, args, kwargs):
         return forward(*args, **kwargs)
 
 
@@ -258,7 +351,7 @@ def _install(controller: _Controller, layers: Sequence[nn.Module]) -> None:
         existing: _LayerSlot | None = layer.__dict__.get(LAYER_STATE_ATTR)
         if existing is not None and isinstance(previous, types.MethodType) and previous.__func__ is _offloaded_forward:
             previous = existing.previous_forward  # ours already: replace it, never stack on it
-        setattr(layer, LAYER_STATE_ATTR, _LayerSlot(controller, position, previous))
+        setattr(layer, LAYER_STATE_ATTR, _LayerSlot(controller, position, previous, layer))
         layer.forward = types.MethodType(_offloaded_forward, layer)
         layer._replicate_for_data_parallel = types.MethodType(_replicate_with_offloading, layer)
     controller.layers = unique
@@ -289,6 +382,96 @@ def _uninstall(controller: _Controller) -> None:
     controller.layers = []
 
 
+# Left free by max_device_bytes="auto": a share of the device's memory for the allocator's
+# fragmentation, kernels' workspaces and what the step allocates outside the decoder layers.
+AUTO_BUDGET_MARGIN_SHARE = 0.05
+
+
+def _device_memory(device: torch.device) -> tuple[int, int]:
+    """(bytes a step can still take, total bytes) of `device`: the driver's free memory plus what
+    torch's caching allocator holds unused (that is free to the step too)."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device), total
+    free, total = torch.accelerator.get_memory_info(device)
+    return free + torch.accelerator.memory_reserved(device) - torch.accelerator.memory_allocated(device), total
+
+
+def _check_device_memory_readable() -> None:
+    """max_device_bytes="auto" needs the accelerator's free memory at every step: fail now, at
+    enable time, where it cannot be read, rather than in the middle of training."""
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if accelerator is None:
+        raise ValueError(
+            "option max_device_bytes='auto' reads the accelerator's free memory at every step, and no "
+            "accelerator is available here (torch.accelerator.is_available() is False); pass a number of "
+            "bytes, or None to offload every layer"
+        )
+    device = torch.device(accelerator.type, torch.accelerator.current_device_index())
+    try:
+        _device_memory(device)
+    except (RuntimeError, AttributeError, NotImplementedError) as error:
+        raise ValueError(
+            f"option max_device_bytes='auto' cannot read the free memory of {device} ({error}); pass a number "
+            "of bytes, or None to offload every layer"
+        ) from None
+
+
+def _auto_device_budget(controller: _Controller, device: torch.device, tokens: int | None) -> int:
+    """The budget for this step: free device memory, less AUTO_BUDGET_MARGIN_SHARE of the total,
+    the loss head's predicted peak, one layer's full activations (its working memory, and the
+    layer a checkpoint recomputes in backward) and the gradients backward will still allocate."""
+    try:
+        free, total = _device_memory(device)
+    except (RuntimeError, AttributeError, NotImplementedError, AssertionError, ValueError) as error:
+        controller.engine._warn_once(
+            "auto_budget",
+            f"hf_offload: max_device_bytes='auto' cannot read the free memory of {device} ({error}); "
+            "every layer is offloaded, as without a budget",
+        )
+        return 0
+    reserved = int(total * AUTO_BUDGET_MARGIN_SHARE) + _missing_gradient_bytes(controller)
+    if tokens is not None:
+        reserved += _predicted_step_bytes(controller, tokens)
+    return max(free - reserved, 0)
+
+
+def _missing_gradient_bytes(controller: _Controller) -> int:
+    """Bytes of the gradients of trainable parameters that have none yet (set_to_none=True frees
+    them every step): backward allocates them while activations are still on the device."""
+    tensors = [controller.tensors_outside_layers()]
+    for layer in controller.layers:
+        slot = layer.__dict__.get(LAYER_STATE_ATTR)
+        if slot is not None:
+            tensors.append(slot.tensors(layer))
+    return sum(
+        tensor.nbytes
+        for tensor in itertools.chain.from_iterable(tensors)
+        if isinstance(tensor, nn.Parameter) and tensor.requires_grad and tensor.grad is None
+    )
+
+
+def _predicted_step_bytes(controller: _Controller, tokens: int) -> int:
+    """What `hf-offload estimate` predicts the loss head and one layer's full activations need."""
+    from .estimate import Shape, saved_bytes_per_token  # no transformers import there
+
+    config = getattr(controller.model, "config", None)
+    try:
+        shape = Shape.from_config(config)
+    except (TypeError, ValueError, AttributeError):
+        return 0  # not a transformers-style config: the margin alone
+    dtype = getattr(controller.model, "dtype", torch.float32)
+    dtype_bytes = torch.empty(0, dtype=dtype).element_size()
+    layer = saved_bytes_per_token(shape, dtype_bytes=dtype_bytes)
+    return tokens * (layer + _loss_head_bytes_per_token(controller, shape, dtype_bytes))
+
+
+def _loss_head_bytes_per_token(controller: _Controller, shape, dtype_bytes: int) -> int:
+    # bf16 logits, their float32 upcast, the log-softmax output kept for backward and the float32
+    # gradient in backward: about three float32 and one model-dtype vocabulary-wide tensors.
+    return shape.vocab * (dtype_bytes + 3 * 4)
+
+
 def enable_activation_offloading(model: nn.Module, **options: object) -> None:
     """Offload the tensors autograd saves inside each decoder layer to host memory.
 
@@ -297,6 +480,8 @@ def enable_activation_offloading(model: nn.Module, **options: object) -> None:
     `get_peft_model` (LoRA layers created later are handled).
     """
     parsed = OffloadOptions.from_kwargs(**options)
+    if parsed.max_device_bytes == "auto":
+        _check_device_memory_readable()
     target = _unwrap(model)
     _adapter, layers = resolve_layers(target)  # raises before anything is changed
     controller: _Controller | None = target.__dict__.get(MODEL_STATE_ATTR)
@@ -307,6 +492,7 @@ def enable_activation_offloading(model: nn.Module, **options: object) -> None:
         _uninstall(controller)
         controller.configure(parsed)
     controller.adapter = _adapter
+    _watch_module_structure()
     _install(controller, layers)
     if not target.training:
         logger.info(

@@ -55,6 +55,15 @@ class OffloadOptions:
         means 80% of the host memory available when offloading is enabled, divided by the
         number of processes on this host (LOCAL_WORLD_SIZE). A tensor that would go over it
         stays on the device, and one warning with the numbers is logged.
+    max_device_bytes: the most decoder-layer activation memory a step may keep on the device
+        (what kept layers saved, copies in flight, copies brought back ahead, by the engine's
+        accounting). None (the default) offloads every offloadable layer. An int (bytes): at the
+        first layer of each forward pass the engine plans, from the bytes per token each layer
+        saved in the last step and this step's tokens, the fewest leading layers to offload so
+        that the step stays under it; the first step offloads every layer while it measures. A
+        step that cannot fit offloads every layer, with one warning. "auto": the budget is read
+        at each step from the device's free memory, less a margin and what the loss head and
+        the gradients not yet allocated are predicted to need (see docs/budget.md).
     simulate_on_cpu: treat CPU tensors as device tensors, copying them into separate host
         storage, so that the whole engine runs on a machine without an accelerator (tests, CI).
         It saves no memory.
@@ -64,6 +73,7 @@ class OffloadOptions:
     min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES
     prefetch_layers: int = 1
     max_host_bytes: int | None = None
+    max_device_bytes: int | str | None = None
     simulate_on_cpu: bool = False
 
     def __post_init__(self) -> None:
@@ -72,6 +82,11 @@ class OffloadOptions:
         _require_int("prefetch_layers", self.prefetch_layers, minimum=0)
         if self.max_host_bytes is not None:
             _require_int("max_host_bytes", self.max_host_bytes, minimum=0, or_none=True)
+        budget = self.max_device_bytes
+        if budget is not None and not (isinstance(budget, str) and budget == "auto"):
+            if isinstance(budget, str):
+                raise ValueError(f"option max_device_bytes must be an int >= 0, 'auto' or None, got {budget!r}")
+            _require_int("max_device_bytes", budget, minimum=0, or_none=True, or_auto=True)
         _require_bool("simulate_on_cpu", self.simulate_on_cpu)
 
     def engine_options(self) -> dict[str, object]:
@@ -81,6 +96,7 @@ class OffloadOptions:
             "simulate_on_cpu": self.simulate_on_cpu,
             "prefetch_layers": self.prefetch_layers,
             "max_host_bytes": default_max_host_bytes() if self.max_host_bytes is None else self.max_host_bytes,
+            "max_device_bytes": self.max_device_bytes,
         }
 
     @classmethod
@@ -98,8 +114,8 @@ class OffloadOptions:
         return cls(**kwargs)  # type: ignore[arg-type]
 
 
-def _require_int(name: str, value: object, *, minimum: int, or_none: bool = False) -> None:
-    valid = f"an int >= {minimum}" + (" or None" if or_none else "")
+def _require_int(name: str, value: object, *, minimum: int, or_none: bool = False, or_auto: bool = False) -> None:
+    valid = f"an int >= {minimum}" + (", 'auto'" if or_auto else "") + (" or None" if or_none else "")
     # bool is an int subclass; `keep_last_layers=True` is a mistake, not 1.
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"option {name} must be {valid}, got {value!r} ({type(value).__name__})")

@@ -287,12 +287,13 @@ def parameters_unprotected() -> Iterator[None]:
     see their copies (the companion of the parity scenarios' "no violations")."""
     from hf_offload.engine import offloader
 
-    original = offloader.storage_ptrs
+    originals = offloader.storage_ptrs, offloader.views_a_parameter
     offloader.storage_ptrs = lambda tensors: set()
+    offloader.views_a_parameter = lambda tensor: False
     try:
         yield
     finally:
-        offloader.storage_ptrs = original
+        offloader.storage_ptrs, offloader.views_a_parameter = originals
 
 
 def scenario_unprotected(wrapper: str) -> dict:

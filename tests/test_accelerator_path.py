@@ -76,7 +76,7 @@ def accelerator(monkeypatch) -> FakeAccelerator:
     # CPU tensors through the accelerator path instead of the simulated streams.
     monkeypatch.setattr(offloader_module, "streams_for", streams_module.AcceleratorStreams)
     copies = []
-    original_copy = torch.Tensor.copy_
+    original_copy = torch.UntypedStorage.copy_
 
     def logged_copy(dst, src, non_blocking=False):
         if fake.current.name == "copy":
@@ -84,7 +84,7 @@ def accelerator(monkeypatch) -> FakeAccelerator:
             fake.log.append(("copy", fake.current.name))
         return original_copy(dst, src, non_blocking=non_blocking)
 
-    monkeypatch.setattr(torch.Tensor, "copy_", logged_copy)
+    monkeypatch.setattr(torch.UntypedStorage, "copy_", logged_copy)
     fake.copies = copies
     return fake
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hf_offload.engine import ActivationOffloader
-from hf_offload.engine import offloader as offloader_module
+from hf_offload.engine.handles import HostCopy
 
 
 def scope(engine, *, starts_pass=True, keep=False, protected=()):
@@ -81,9 +81,7 @@ def test_a_storage_modified_in_place_between_saves_is_copied_again():
 def test_version_guard_is_what_keeps_in_place_modification_exact(monkeypatch):
     """Companion: matching on identity alone hands layer 2 the copy of the tensor as it was
     before the in-place change, which backward must not use."""
-    monkeypatch.setattr(
-        offloader_module._DedupEntry, "matches", lambda self, storage, version: self.source() is storage
-    )
+    monkeypatch.setattr(HostCopy, "matches", lambda self, storage, version: self.source_ref() is storage)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         grad_of_modified_between_saves(new_engine())
 
@@ -138,7 +136,7 @@ def test_a_new_storage_at_a_freed_address_is_not_a_duplicate():
 
 def test_identity_guard_is_what_keeps_address_reuse_exact(monkeypatch):
     """Companion: matching on address and version alone takes the dead tensor's copy."""
-    monkeypatch.setattr(offloader_module._DedupEntry, "matches", lambda self, storage, version: self.version == version)
+    monkeypatch.setattr(HostCopy, "matches", lambda self, storage, version: self.version == version)
     grad, analytic = _reused_address_grad(new_engine())
     assert not torch.allclose(grad, analytic)
 

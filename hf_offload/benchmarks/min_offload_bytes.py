@@ -18,7 +18,6 @@ import time
 import torch
 
 from hf_offload.engine import ActivationOffloader
-from hf_offload.engine.offloader import DeviceContext, LayerGroup
 
 TENSORS_PER_LAYER = 16  # a decoder layer offloads 10-40 tensors; per-layer costs are shared
 
@@ -28,15 +27,18 @@ def time_offload(nbytes: int, repeats: int) -> float:
     decisions and handles, the queued batch of copies out and its release, and the copies
     back, through the real engine's code (CPU simulation, so the copies are plain memcpy)."""
     engine = ActivationOffloader(min_offload_bytes=0, simulate_on_cpu=True)
-    context = DeviceContext(torch.device("cpu"), engine.ledger)
+    cpu = torch.device("cpu")
     samples = []
-    for sequence in range(repeats):
+    for _ in range(repeats):
         tensors = [torch.randn(max(nbytes // 4, 1)) for _ in range(TENSORS_PER_LAYER)]
-        engine._offloaded_this_pass.clear()
-        group = LayerGroup(engine, context, "cpu", sequence, False, set(), None)
         start = time.perf_counter()
+        group = engine.enter_layer(
+            training=True, device=cpu, starts_pass=True, keep=False, protected=tuple, pass_protected=tuple
+        )
         handles = [group.pack(tensor) for tensor in tensors]
-        context.release(context.offload_async(group.copies, engine))
+        engine.exit_layer(group, "benchmark")
+        context = group.device
+        engine._release_in_flight()
         context.restore_async(group.copies)
         for handle in handles:
             handle.restore()

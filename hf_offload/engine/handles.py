@@ -13,6 +13,7 @@ import weakref
 import torch
 
 from . import ordering
+from .pool import HostBuffer
 
 
 class HostLedger:
@@ -33,16 +34,25 @@ class HostLedger:
 
 class HostCopy:
     """One device storage's trip to host memory and back, shared by every handle that saved a
-    view of it.
+    view of it. It is itself the handle of the first tensor saved from that storage (the
+    common case, one object per saved tensor); later saves of the storage get an
+    `OffloadedTensor` pointing at it.
 
     `source` is the device storage until its copy out has completed and been released;
-    `host` is the pooled host buffer once the copy out has been queued; `_ahead` is the
-    device storage brought back ahead of need, with the event of that copy.
+    `host` is a view of the first `nbytes` bytes of the pooled host buffer `host_block` once
+    the copy out has been queued; `_ahead` is the device storage brought back ahead of need, with the event
+    of that copy.
     """
 
     __slots__ = (
         "nbytes",
+        "host_size",
+        "dtype",
+        "storage_offset",
+        "shape",
+        "stride",
         "source",
+        "source_ref",
         "host",
         "host_block",
         "version",
@@ -56,14 +66,24 @@ class HostCopy:
         "__weakref__",
     )
 
-    def __init__(self, tensor: torch.Tensor, storage: torch.UntypedStorage, device) -> None:
-        self.nbytes = storage.nbytes()
+    def __init__(self, tensor: torch.Tensor, storage: torch.UntypedStorage, nbytes: int, host_size: int, device):
+        self.nbytes = nbytes
+        self.host_size = host_size  # the pooled buffer it needs: rounded_size(nbytes)
+        self.dtype = tensor.dtype
+        self.storage_offset = tensor.storage_offset()
+        self.shape = tensor.shape
+        self.stride = tensor.stride()
         self.source: torch.UntypedStorage | None = storage
-        self.host: torch.Tensor | None = None  # the first `nbytes` bytes of `host_block`
-        self.host_block: torch.Tensor | None = None  # the pooled buffer
+        # Weak, for deduplication within a forward pass: identity, not address, since a storage
+        # freed in this pass and a new one at the same address are different data.
+        self.source_ref = weakref.ref(storage)
+        self.host: torch.UntypedStorage | None = None
+        self.host_block: HostBuffer | None = None
         # Autograd cannot check versions through saved-tensor hooks. A detached view shares the
         # tensor's version counter, so an in-place change before the copy out has finished is
-        # caught here and reported on unpack, as autograd itself would.
+        # caught here and reported on unpack, as autograd itself would. Not the tensor itself: a
+        # saved output would lead back here through its grad_fn, a cycle Python's collector
+        # cannot see through autograd's C++ graph.
         self.version = tensor._version
         self.version_probe: torch.Tensor | None = tensor.detach()
         self.modified = False
@@ -75,6 +95,14 @@ class HostCopy:
         # any of them is alive, without this object keeping device memory alive.
         self._restored: weakref.ref[torch.UntypedStorage] | None = None
         device.ledger.copies_alive += 1
+
+    def matches(self, storage: torch.UntypedStorage, version: int) -> bool:
+        """Whether saving `storage` at `version` again can reuse this copy: the same storage
+        object, not modified in place since (a modified storage is different data)."""
+        return self.source_ref() is storage and self.version == version
+
+    def restore(self) -> torch.Tensor:
+        return _view(self.device_storage(), self.dtype, self.storage_offset, self.shape, self.stride)
 
     def needs_restore(self) -> bool:
         if self.source is not None or self._ahead is not None:
@@ -95,10 +123,6 @@ class HostCopy:
             ordering.before_dropping_unused(streams, streams.compute_stream(), self._ahead_event)
         self._ahead = self._ahead_event = None
         self._device.ledger.device_bytes -= self.nbytes
-
-    def check_unmodified(self) -> None:
-        if self.version_probe is not None and self.version_probe._version != self.version:
-            self.modified = True
 
     def device_storage(self) -> torch.UntypedStorage:
         if self.modified:
@@ -126,27 +150,28 @@ class HostCopy:
         self.drop_ahead()
         if self.host_block is not None:
             self._device.pool.release(self.host_block)
-            self._device.ledger.host_bytes -= self.host_block.numel()
+            self._device.ledger.host_bytes -= self.host_block.size
         self._device.ledger.copies_alive -= 1
 
 
 class OffloadedTensor:
-    """A saved tensor's metadata plus the host copy of its storage."""
+    """A later save of a storage already offloaded in this forward pass: its own metadata, the
+    first save's host copy."""
 
-    __slots__ = ("copy", "group", "dtype", "storage_offset", "shape", "stride")
+    __slots__ = ("copy", "dtype", "storage_offset", "shape", "stride")
 
-    def __init__(self, copy: HostCopy, group, tensor: torch.Tensor) -> None:
+    def __init__(self, copy: HostCopy, tensor: torch.Tensor) -> None:
         self.copy = copy
-        self.group = group  # the layer call that saved it, for prefetching in backward
         self.dtype = tensor.dtype
         self.storage_offset = tensor.storage_offset()
         self.shape = tensor.shape
         self.stride = tensor.stride()
 
     def restore(self) -> torch.Tensor:
-        storage = self.copy.device_storage()
-        # Same storage offset, sizes and strides as the saved tensor: kernels in backward see
-        # exactly the layout they would have seen without offloading.
-        return torch.empty(0, dtype=self.dtype, device=storage.device).set_(
-            storage, self.storage_offset, self.shape, self.stride
-        )
+        return _view(self.copy.device_storage(), self.dtype, self.storage_offset, self.shape, self.stride)
+
+
+def _view(storage: torch.UntypedStorage, dtype, storage_offset, shape, stride) -> torch.Tensor:
+    # Same storage offset, sizes and strides as the saved tensor: kernels in backward see
+    # exactly the layout they would have seen without offloading.
+    return torch.empty(0, dtype=dtype, device=storage.device).set_(storage, storage_offset, shape, stride)

@@ -2,36 +2,43 @@
 
 Knows nothing about transformers. The caller (hf_offload.api) tells it, for each layer call,
 whether the module is training, which device the layer runs on, whether this call starts a
-forward pass, whether the layer keeps its activations, and which tensors are parameters.
+forward pass (and how many tokens it carries), whether the layer keeps its activations, and
+which tensors are parameters.
 
-Forward: each offloaded layer call is a `LayerGroup`. Its pack hook decides per saved tensor
-and returns a handle; when the layer returns, one batch of copies to the host is queued on the
-copy stream (after the compute stream, by an event) and the sources stay referenced until the
-next layer has run, when the compute stream is made to wait for the batch and they are
-released. So at most two layers' offloaded activations are on the device at once.
+Forward: each layer call is a `LayerGroup`. Its pack hook decides per saved tensor and returns
+a handle; when the layer returns, one batch of copies to the host is queued on the copy stream
+(after the compute stream, by an event) and the sources stay referenced until the next layer
+has run, when the compute stream is made to wait for the batch and they are released. So at
+most two layers' offloaded activations are on the device at once. A layer that keeps its
+activations (one of the last `keep_last_layers`, or one the device-memory budget leaves on the
+device) packs nothing to the host; what it saves is counted as resident.
 
 Backward: the first unpack of a group (the start of that layer's backward) brings back its own
 copies if they are not back yet and queues the copies of the next `prefetch_layers` groups that
 backward will need; groups backward has passed let go of what was brought back for them.
+
+Everything fixed for a whole forward pass (the step's budget and plan, the parameters outside
+the layers) is settled at its first layer; the per-layer path does only per-layer work, because
+on a GPU host the CPU time of each layer call is time the device may wait.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import sys
 import threading
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 
 import torch
 
 from . import ordering
 from .handles import HostCopy, HostLedger, OffloadedTensor
+from .planner import plan
 from .pool import HostPool, rounded_size
 from .stats import LifetimeCounters, OffloadStats, StepCounters
-from .streams import flat_bytes, streams_for
+from .streams import streams_for
 
 logger = logging.getLogger("hf_offload")
 
@@ -39,6 +46,11 @@ _NO_ACCELERATOR = (
     "hf_offload: the model is on the CPU, where activations already live in host memory; offloading "
     "does nothing until the model is moved to an accelerator (simulate_on_cpu=True runs the engine anyway)"
 )
+
+_STRIDED = torch.strided
+
+# A device-memory budget: bytes, or a function of (device, tokens this step) giving the bytes.
+Budget = int | Callable[[torch.device, "int | None"], int] | None
 
 
 def current_backward_id() -> int:
@@ -55,6 +67,19 @@ def in_backward() -> bool:
     return current_backward_id() != -1
 
 
+def views_a_parameter(tensor: torch.Tensor) -> bool:
+    """A view of a parameter (autograd's linear saves weight.t(); FSDP1's layer weights are views
+    of its flat parameter): kept without looking at storages. Tensors sharing a parameter's
+    storage any other way are found by `storage_ptrs` of the parameters."""
+    base = tensor._base
+    return base is not None and type(base) is not torch.Tensor and isinstance(base, torch.nn.Parameter)
+
+
+def _still(entry: weakref.ref[HostCopy], storage: torch.UntypedStorage, version: int) -> bool:
+    copy = entry()
+    return copy is not None and copy.matches(storage, version)
+
+
 def storage_ptrs(tensors: Iterable[torch.Tensor]) -> set[int]:
     ptrs = set()
     for tensor in tensors:
@@ -65,33 +90,18 @@ def storage_ptrs(tensors: Iterable[torch.Tensor]) -> set[int]:
     return ptrs
 
 
-class _DedupEntry:
-    """One storage offloaded in the current forward pass. Weak on both sides: the entry must
-    neither keep the device storage nor its host copy alive."""
-
-    __slots__ = ("source", "version", "copy")
-
-    def __init__(self, source: torch.UntypedStorage, version: int, copy: HostCopy) -> None:
-        self.source = weakref.ref(source)
-        self.version = version
-        self.copy = weakref.ref(copy)
-
-    def matches(self, storage: torch.UntypedStorage, version: int) -> bool:
-        # Identity, not address: a storage freed in this pass and a new one at the same address
-        # are different data. Version: a storage modified in place since is different data too.
-        return self.source() is storage and self.version == version
-
-
 class _InFlight:
-    """A batch of copies to the host whose sources must stay alive until it has finished."""
+    """A batch of copies to the host whose sources must stay alive until it has finished. The
+    copies are held weakly: a graph dropped meanwhile (an exception in the next layer) must free
+    its host memory at once, not when the batch is released."""
 
     __slots__ = ("sources", "copies", "event", "nbytes")
 
-    def __init__(self, copies: list[HostCopy], event) -> None:
+    def __init__(self, copies: list[HostCopy], event, nbytes: int) -> None:
         self.sources = [copy.source for copy in copies]
         self.copies = [weakref.ref(copy) for copy in copies]
         self.event = event
-        self.nbytes = sum(copy.nbytes for copy in copies)
+        self.nbytes = nbytes
 
 
 class DeviceContext:
@@ -105,29 +115,35 @@ class DeviceContext:
 
     def offload_async(self, copies: list[HostCopy], engine: ActivationOffloader) -> _InFlight | None:
         streams = self.streams
-        hosts, placed = [], []
+        acquire, limit = self.pool.acquire, engine.max_host_bytes
+        pairs, placed = [], []
+        host_bytes = nbytes = 0
         for copy in copies:
             try:
-                hosts.append(self.pool.acquire(copy.nbytes, engine.max_host_bytes))
+                host = acquire(copy.host_size, limit)
             except (RuntimeError, MemoryError) as error:
                 # The tensor simply stays on the device: its handle keeps the source.
                 engine.host_allocation_failed(copy, error)
                 continue
+            copy.host_block = host
+            copy.host = host.view(copy.nbytes)
+            host_bytes += host.size
+            nbytes += copy.nbytes
+            pairs.append((copy.host, copy.source))
             placed.append(copy)
         if not placed:
             return None
-        copies = placed
+        self.ledger.host_bytes += host_bytes
+        # Nothing may touch a source or a destination on the compute stream between this event and
+        # the copies (the CUDA stream sanitizer counts even making a view as an access): the copies
+        # go storage to storage, making their byte views on the copy stream.
         ordering.before_offload_copies(streams, streams.compute_stream())
-        for copy in copies:
-            copy.check_unmodified()
-        pairs = [(host[: copy.nbytes], flat_bytes(copy.source)) for host, copy in zip(hosts, copies, strict=True)]
-        streams.copy_async(pairs)
-        batch = _InFlight(copies, streams.record(streams.copy_stream))
-        for host, copy in zip(hosts, copies, strict=True):
-            copy.host_block = host
-            copy.host = host[: copy.nbytes]
-            self.ledger.host_bytes += host.numel()
-        self.ledger.hold_device(batch.nbytes)
+        for copy in placed:
+            if copy.version_probe._version != copy.version:
+                copy.modified = True
+        streams.copy_async(pairs, to_host=True)
+        batch = _InFlight(placed, streams.record(streams.copy_stream), nbytes)
+        self.ledger.hold_device(nbytes)
         return batch
 
     def release(self, batch: _InFlight) -> None:
@@ -136,7 +152,8 @@ class DeviceContext:
         for ref in batch.copies:
             copy = ref()
             if copy is not None:
-                copy.check_unmodified()
+                if copy.version_probe._version != copy.version:
+                    copy.modified = True
                 copy.source = copy.version_probe = None
         batch.sources.clear()
         self.ledger.device_bytes -= batch.nbytes
@@ -148,102 +165,158 @@ class DeviceContext:
             return 0
         streams = self.streams
         targets = [streams.device_buffer(copy.nbytes) for copy in todo]
+        pairs = [(target, copy.host) for target, copy in zip(targets, todo, strict=True)]
         ordering.before_restore_copies(streams, streams.compute_stream())
-        streams.copy_async([(target, copy.host) for target, copy in zip(targets, todo, strict=True)])
+        streams.copy_async(pairs, to_host=False)
         event = streams.record(streams.copy_stream)
         for target, copy in zip(targets, todo, strict=True):
-            copy.set_ahead(target.untyped_storage(), event)
+            copy.set_ahead(target, event)
         return len(todo)
 
 
 class LayerGroup:
-    """One offloaded layer call: its pack and unpack hooks and the host copies it made."""
+    """One layer call: its pack and unpack hooks, the host copies it made, and the bytes it kept."""
 
     __slots__ = (
         "engine",
         "device",
         "device_id",
+        "device_index",
         "sequence",
+        "position",
         "keep",
-        "protected",
+        "kept_reason",
+        "_protected",
+        "_pass_protected",
+        "_protected_source",
         "copies",
         "shared",
         "prev",
         "reached_in",
         "calls",
         "pending_bytes",
+        "offloaded_bytes",
+        "shared_bytes",
+        "kept_bytes",
+        "saved",
         "__weakref__",
     )
 
-    def __init__(self, engine, device, device_id, sequence, keep, protected, prev) -> None:
+    def __init__(self, engine, device, device_id, sequence, position, keep, kept_reason, protected, prev) -> None:
         self.engine = engine
         self.device = device
         self.device_id = device_id  # the torch.device this layer runs on
+        # What Tensor.get_device() answers for it (-1 on the CPU): cheaper to compare than devices.
+        self.device_index = -1 if device_id.type == "cpu" else (device_id.index or 0)
         self.sequence = sequence
-        self.keep = keep
-        self.protected = protected
+        self.position = position  # the layer call's index in its forward pass
+        self.keep = keep  # the activations stay on the device
+        self.kept_reason = kept_reason  # "kept_layer" (keep_last_layers) or "kept_for_budget"
+        self._protected: set[int] | None = None  # the layer's parameters and buffers, read on first need
+        self._pass_protected: set[int] | None = None  # the model's others, read once per pass
+        self._protected_source = protected
         self.copies: list[HostCopy] = []
         self.shared: list[HostCopy] = []  # offloaded by an earlier group, saved here again
         self.prev = prev  # weakref to the group created before this one: backward needs it next
         self.reached_in = -1
         self.calls = 0
-        self.pending_bytes = 0  # copies decided in this layer call, not yet given host memory
+        self.pending_bytes = 0  # host bytes of copies decided in this layer call, not yet placed
+        self.offloaded_bytes = 0
+        self.shared_bytes = 0
+        self.kept_bytes = 0  # storage bytes this kept layer holds on the device
+        self.saved: dict[int, tuple[torch.Tensor, int, object]] = {}  # id -> (tensor, version, handle), this call
+
+    def is_protected(self, ptr: int) -> bool:
+        if self._protected is None:
+            self._protected = storage_ptrs(self._protected_source())
+            self._pass_protected = self.engine.pass_protected()
+            self._protected_source = None
+        return ptr in self._protected or ptr in self._pass_protected
 
     def pack(self, tensor: torch.Tensor) -> object:
+        # Runs for every tensor every layer saves: each attribute read here is paid thousands of
+        # times a step, on the CPU that issues the GPU's work.
         engine = self.engine
-        step = engine.step
         self.calls += 1
-        engine.lifetime.pack_calls += 1
         nbytes = tensor.nbytes
+        # The same tensor saved again by this layer (a norm's output feeding q, k and v; the
+        # rotary cos/sin used four times) gets the same handle. The tensor is held until the layer
+        # returns, so its id cannot be reused by another one meanwhile.
+        again = self.saved.get(id(tensor))
+        if again is not None and again[0] is tensor and again[1] == tensor._version:
+            engine.step.keep("duplicate", nbytes)
+            return again[2]
+        if type(tensor) is not torch.Tensor:
+            # A Parameter is kept as itself, as autograd keeps a saved leaf without hooks (a leaf
+            # has no grad_fn, so no reference cycle): DeepSpeed ZeRO-3 frees a gathered weight by
+            # replacing param.data, and a detached alias would keep it alive until backward.
+            if isinstance(tensor, torch.nn.Parameter):
+                engine.step.keep("parameter", nbytes)
+                return tensor
+            engine.step.keep("unsupported", nbytes)
+            return tensor.detach()
         # Kept tensors are returned detached: returning a saved *output* itself would make a
         # reference cycle through its grad_fn that keeps the whole graph alive.
-        # A Parameter is kept as itself, as autograd keeps a saved leaf without hooks (a leaf has
-        # no grad_fn, so no reference cycle): DeepSpeed ZeRO-3 frees a gathered weight by
-        # replacing param.data, and a detached alias would keep it alive until backward.
-        if self.keep:
-            step.keep("kept_layer", nbytes)
-            return tensor if isinstance(tensor, torch.nn.Parameter) else tensor.detach()
-        if isinstance(tensor, torch.nn.Parameter):
-            step.keep("parameter", nbytes)
-            return tensor
         if (
-            type(tensor) is not torch.Tensor
-            or tensor.layout is not torch.strided
-            or tensor.device != self.device_id
+            tensor.get_device() != self.device_index
+            or tensor.layout is not _STRIDED
             or tensor.is_conj()
             or tensor.is_neg()
         ):
-            step.keep("unsupported", nbytes)
+            engine.step.keep("unsupported", nbytes)
+            return tensor.detach()
+        if nbytes < engine.min_offload_bytes or nbytes == 0:
+            engine.step.keep("too_small", nbytes)
+            return tensor.detach()
+        if views_a_parameter(tensor):  # what linear layers save: weight.t()
+            engine.step.keep("parameter", nbytes)
             return tensor.detach()
         storage = tensor.untyped_storage()
         ptr = storage.data_ptr()
-        if ptr in self.protected or ptr in engine._pass_protected:
-            step.keep("parameter", nbytes)
-            return tensor.detach()
-        if nbytes < engine.min_offload_bytes or nbytes == 0:
-            step.keep("too_small", nbytes)
+        if self.is_protected(ptr):
+            engine.step.keep("parameter", nbytes)
             return tensor.detach()
         version = tensor._version
         entry = engine._offloaded_this_pass.get(ptr)
-        if entry is not None and entry.matches(storage, version):
-            copy = entry.copy()
-            if copy is not None:
-                step.keep("duplicate", nbytes)
+        if self.keep:
+            # Counted as this layer's resident bytes unless an earlier layer offloaded the storage:
+            # a storage's bytes belong to the first layer that saved it, kept or offloaded alike,
+            # so that a layer's measured bytes do not depend on what the plan did with it.
+            kept = engine._kept_this_pass.get(ptr)
+            if (kept is None or kept[0]() is not storage or kept[1] != version) and not (
+                entry is not None and _still(entry, storage, version)
+            ):
+                engine._kept_this_pass[ptr] = (weakref.ref(storage), version)
+                self.kept_bytes += storage.nbytes()
+            engine.step.keep(self.kept_reason, nbytes)
+            return tensor.detach()
+        if entry is not None:
+            copy = entry()
+            if copy is not None and copy.matches(storage, version):
+                engine.step.keep("duplicate", nbytes)
                 if copy not in self.copies and copy not in self.shared:
                     self.shared.append(copy)
-                return OffloadedTensor(copy, self, tensor)
-        needed = rounded_size(storage.nbytes())
+                    self.shared_bytes += copy.nbytes
+                handle = OffloadedTensor(copy, tensor)
+                self.saved[id(tensor)] = (tensor, version, handle)
+                return handle
+        storage_bytes = storage.nbytes()
+        needed = rounded_size(storage_bytes)
         if engine.ledger.host_bytes + self.pending_bytes + needed > engine.max_host_bytes:
             engine.over_budget(needed, self.pending_bytes)
-            step.keep("over_budget", nbytes)
+            engine.step.keep("over_budget", nbytes)
             return tensor.detach()
-        copy = HostCopy(tensor, storage, self.device)
+        copy = HostCopy(tensor, storage, storage_bytes, needed, self.device)
         self.copies.append(copy)
         self.pending_bytes += needed
-        engine._offloaded_this_pass[ptr] = _DedupEntry(storage, version, copy)
+        self.offloaded_bytes += storage_bytes
+        # Weak: the entry must keep neither the copy nor, through it, host memory alive.
+        engine._offloaded_this_pass[ptr] = weakref.ref(copy)
+        step = engine.step
         step.offloaded_tensors += 1
-        step.offloaded_bytes += copy.nbytes
-        return OffloadedTensor(copy, self, tensor)
+        step.offloaded_bytes += storage_bytes
+        self.saved[id(tensor)] = (tensor, version, copy)
+        return copy
 
     def unpack(self, packed: object) -> torch.Tensor:
         engine = self.engine
@@ -259,6 +332,29 @@ class LayerGroup:
         return packed.restore()  # type: ignore[attr-defined]
 
 
+class LayerScope:
+    """The hooks context of one decoder layer call (see `ActivationOffloader.layer_scope`)."""
+
+    __slots__ = ("engine", "arguments", "group", "hooks")
+
+    def __init__(self, engine: ActivationOffloader, arguments: dict) -> None:
+        self.engine, self.arguments = engine, arguments
+        self.group: LayerGroup | None = None
+        self.hooks = None
+
+    def __enter__(self) -> LayerGroup | None:
+        group = self.group = self.engine.enter_layer(**self.arguments)
+        if group is not None:
+            self.hooks = torch.autograd.graph.saved_tensors_hooks(group.pack, group.unpack)
+            self.hooks.__enter__()
+        return group
+
+    def __exit__(self, *exc_info) -> None:
+        if self.group is not None:
+            self.hooks.__exit__(*exc_info)
+            self.engine.exit_layer(self.group, self.arguments.get("name", "?"))
+
+
 class ActivationOffloader:
     def __init__(self, **options) -> None:
         self.configure(**options)
@@ -270,8 +366,11 @@ class ActivationOffloader:
         # Several threads may run layers at once (nn.DataParallel replicas, autograd's device
         # threads): the state shared between layer calls changes under this lock.
         self._lock = threading.RLock()
-        self._offloaded_this_pass: dict[int, _DedupEntry] = {}
-        self._pass_protected: set[int] = set()
+        self._offloaded_this_pass: dict[int, weakref.ref[HostCopy]] = {}
+        # Storages kept layers counted as resident in this pass: (storage, version) by address.
+        self._kept_this_pass: dict[int, tuple[weakref.ref[torch.UntypedStorage], int]] = {}
+        self._pass_protected: set[int] | None = None
+        self._pass_protected_source: Callable[[], Iterable[torch.Tensor]] | None = None
         self._in_flight: deque[tuple[DeviceContext, _InFlight]] = deque()
         self._holding_ahead: list[weakref.ref[LayerGroup]] = []
         self._last_group: weakref.ref[LayerGroup] | None = None
@@ -279,6 +378,17 @@ class ActivationOffloader:
         self._backward_id = -1
         self._backward_since_step_start = False
         self._warned: set[str] = set()
+        # The budget's plan: measured per layer position of the last complete pass.
+        self._position = 0  # layer calls so far in this forward pass
+        self._pass_tokens: int | None = None
+        self._pass_layers: list[tuple[int, int, bool]] = []  # per layer call: bytes, restored bytes, offloadable
+        self._bytes_per_token: list[tuple[float, float]] | None = None  # the same per token, per position
+        self._offloadable_layers = 0
+        self._measured_tokens: int | None = None
+        self._offload_positions: int | None = None  # this pass offloads positions below it; None: all
+        # Kept layers' resident bytes, by group sequence, until backward has passed them.
+        self._kept_resident: dict[int, int] = {}
+        self._kept_resident_bytes = 0
 
     def configure(
         self,
@@ -287,11 +397,13 @@ class ActivationOffloader:
         simulate_on_cpu: bool,
         prefetch_layers: int = 1,
         max_host_bytes: int = sys.maxsize,
+        max_device_bytes: Budget = None,
     ) -> None:
         self.min_offload_bytes = min_offload_bytes
         self.simulate_on_cpu = simulate_on_cpu
         self.prefetch_layers = prefetch_layers
         self.max_host_bytes = max_host_bytes
+        self.max_device_bytes = max_device_bytes
 
     def options(self) -> dict[str, object]:
         return {
@@ -299,6 +411,7 @@ class ActivationOffloader:
             "simulate_on_cpu": self.simulate_on_cpu,
             "prefetch_layers": self.prefetch_layers,
             "max_host_bytes": self.max_host_bytes,
+            "max_device_bytes": self.max_device_bytes,
         }
 
     def __deepcopy__(self, memo: dict) -> ActivationOffloader:
@@ -325,6 +438,11 @@ class ActivationOffloader:
             max_layer_offloaded_bytes=step.max_layer_offloaded_bytes,
             peak_forward_held_bytes=step.peak_forward_held_bytes,
             peak_backward_held_bytes=step.peak_backward_held_bytes,
+            max_device_bytes=step.max_device_bytes,
+            peak_resident_bytes=step.peak_resident_bytes,
+            layers_kept_for_budget=step.layers_kept_for_budget,
+            planned_peak_bytes=step.planned_peak_bytes,
+            plan_tokens=step.plan_tokens,
             host_bytes_held=self.ledger.host_bytes,
             live_host_copies=self.ledger.copies_alive,
             pool_bytes=sum(pool.owned_bytes for pool in pools),
@@ -357,7 +475,14 @@ class ActivationOffloader:
     def note_no_accelerator(self) -> None:
         self._warn_once("cpu", _NO_ACCELERATOR)
 
-    @contextlib.contextmanager
+    def pass_protected(self) -> set[int]:
+        """Storages of the parameters outside the layers, read once per forward pass, on first need."""
+        protected = self._pass_protected
+        if protected is None:
+            source = self._pass_protected_source
+            protected = self._pass_protected = storage_ptrs(source()) if source is not None else set()
+        return protected
+
     def layer_scope(
         self,
         *,
@@ -368,53 +493,101 @@ class ActivationOffloader:
         protected: Callable[[], Iterable[torch.Tensor]],
         pass_protected: Callable[[], Iterable[torch.Tensor]],
         name: str,
-    ) -> Iterator[None]:
-        """Run one decoder layer's forward with its saved tensors routed through the offloader.
+        tokens: int | None = None,
+    ) -> LayerScope:
+        """Run one decoder layer's forward with its saved tensors routed through the offloader:
+        `with engine.layer_scope(...): output = layer(...)`.
 
         `protected` yields the layer's parameters and buffers, `pass_protected` every parameter
-        of the model; both are read now, so they are right after PEFT, dtype changes or sharding.
+        of the model outside the layers; both are read during the call (on first need), so they
+        are right after PEFT, dtype changes or sharding. `tokens`, given with `starts_pass`, is
+        the number of tokens the pass carries (for the device-memory budget's plan).
         """
+        return LayerScope(
+            self,
+            dict(
+                training=training,
+                device=device,
+                starts_pass=starts_pass,
+                keep=keep,
+                protected=protected,
+                pass_protected=pass_protected,
+                name=name,
+                tokens=tokens,
+            ),
+        )
+
+    def enter_layer(
+        self,
+        *,
+        training: bool,
+        device: torch.device | None,
+        starts_pass: bool,
+        keep: bool,
+        protected: Callable[[], Iterable[torch.Tensor]],
+        pass_protected: Callable[[], Iterable[torch.Tensor]],
+        name: str = "?",
+        tokens: int | None = None,
+    ) -> LayerGroup | None:
+        """The group whose hooks route this layer call's saved tensors; None when the engine
+        stays out of it (not training, grad off, inside backward, or on the CPU)."""
         # Decided here, not in the pack hook: autograd calls pack hooks with grad mode off.
         if not (training and torch.is_grad_enabled()) or device is None or in_backward():
-            yield
-            return
+            return None
         if device.type == "cpu" and not self.simulate_on_cpu:
             self.note_no_accelerator()
-            yield
-            return
+            return None
         with self._lock:
             if starts_pass:
-                self._start_pass(pass_protected)
-            self.mode = "cpu-simulation" if device.type == "cpu" else device.type
+                self._start_pass(device, pass_protected, tokens)
             self.lifetime.layer_scopes += 1
             context = self._devices.get(device)
             if context is None:
                 context = self._devices[device] = DeviceContext(device, self.ledger)
+                self.mode = "cpu-simulation" if device.type == "cpu" else device.type
             self._sequence += 1
-            group = LayerGroup(self, context, device, self._sequence, keep, storage_ptrs(protected()), self._last_group)
+            position = self._position
+            self._position += 1
+            kept_reason = "kept_layer"
+            if not keep and self._offload_positions is not None and position >= self._offload_positions:
+                keep, kept_reason = True, "kept_for_budget"
+            group = LayerGroup(
+                self, context, device, self._sequence, position, keep, kept_reason, protected, self._last_group
+            )
             self._last_group = weakref.ref(group)
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(group.pack, group.unpack):
-                yield
-        finally:
-            with self._lock:
-                self._finish_layer(group, context, name)
+        return group
+
+    def exit_layer(self, group: LayerGroup, name: str) -> None:
+        with self._lock:
+            self._finish_layer(group, group.device, name)
 
     def _finish_layer(self, group: LayerGroup, context: DeviceContext, name: str) -> None:
+        group.saved = {}  # let go of the tensors saved (the layer's own references are what count)
+        self.lifetime.pack_calls += group.calls
+        step = self.step
         # Queued even when the layer raised: handles made before the error must stay valid.
         batch = context.offload_async(group.copies, self) if group.copies else None
         if batch is not None:
             self._in_flight.append((context, batch))
+        if group.kept_bytes:
+            self._kept_resident[group.sequence] = group.kept_bytes
+            self._kept_resident_bytes += group.kept_bytes
+        self._note_resident()
+        offloadable = not (group.keep and group.kept_reason == "kept_layer")
+        self._pass_layers.append(
+            (group.offloaded_bytes + group.kept_bytes, group.offloaded_bytes + group.shared_bytes, offloadable)
+        )
         # Earlier batches have had this whole layer's compute to finish; release their sources.
         while len(self._in_flight) > (1 if batch is not None else 0):
             owner, batch = self._in_flight.popleft()
             owner.release(batch)
-        step = self.step
         step.peak_forward_held_bytes = max(step.peak_forward_held_bytes, self.ledger.peak_device_bytes)
         if group.keep:
+            if group.kept_reason == "kept_for_budget":
+                step.layers_kept_for_budget += 1
             return
         step.layers_offloaded += 1
-        step.max_layer_offloaded_bytes = max(step.max_layer_offloaded_bytes, sum(copy.nbytes for copy in group.copies))
+        step.max_layer_offloaded_bytes = max(step.max_layer_offloaded_bytes, group.offloaded_bytes)
         if group.calls == 0:
             self._warn_once(
                 "shadowed",
@@ -425,16 +598,76 @@ class ActivationOffloader:
                 "checkpoint inputs instead.",
             )
 
-    def _start_pass(self, pass_protected: Callable[[], Iterable[torch.Tensor]]) -> None:
+    def _note_resident(self) -> None:
+        step = self.step
+        resident = self._kept_resident_bytes + self.ledger.device_bytes
+        if resident > step.peak_resident_bytes:
+            step.peak_resident_bytes = resident
+
+    def _start_pass(self, device: torch.device, pass_protected: Callable, tokens: int | None) -> None:
         self._release_in_flight()
+        self._learn_from_last_pass()
         # A new step begins after a backward, or when no graph of an earlier forward is alive
         # any more (it was dropped, or its backward failed before reaching a decoder layer).
         if self._backward_since_step_start or self.ledger.copies_alive == 0:
             self.step = StepCounters()
             self._backward_since_step_start = False
+            self._kept_resident.clear()
+            self._kept_resident_bytes = 0
         self.ledger.peak_device_bytes = self.ledger.device_bytes
         self._offloaded_this_pass.clear()
-        self._pass_protected = storage_ptrs(pass_protected())
+        self._kept_this_pass.clear()
+        self._pass_protected = None
+        self._pass_protected_source = pass_protected
+        self._position = 0
+        self._pass_tokens = tokens
+        self._offload_positions = self._plan(device, tokens) if self.max_device_bytes is not None else None
+
+    def _learn_from_last_pass(self) -> None:
+        """Bytes per token of each layer position in the pass that just ended, if it was whole."""
+        layers, self._pass_layers = self._pass_layers, []
+        if not layers or (self._bytes_per_token is not None and len(layers) < len(self._bytes_per_token)):
+            return  # the pass stopped early (an exception in a layer): keep what a whole pass showed
+        tokens = self._pass_tokens or 1
+        self._bytes_per_token = [(own / tokens, restored / tokens) for own, restored, _ in layers]
+        self._offloadable_layers = sum(1 for *_, offloadable in layers if offloadable)
+        self._measured_tokens = self._pass_tokens
+
+    def _plan(self, device: torch.device, tokens: int | None) -> int | None:
+        """How many leading layer calls this pass offloads under the budget; None for all of them."""
+        budget = self.max_device_bytes
+        if callable(budget):
+            budget = budget(device, tokens)
+        budget = max(int(budget), 0)
+        step = self.step
+        step.max_device_bytes = budget
+        if self._bytes_per_token is None:
+            return None  # nothing measured yet: the first step offloads every layer and measures them
+        # Rates measured without a token count are bytes per pass; a pass of unknown length is
+        # taken to be as long as the measured one.
+        scale = 1 if self._measured_tokens is None else (tokens if tokens is not None else self._measured_tokens)
+        own = [round(rate * scale) for rate, _ in self._bytes_per_token]
+        restored = [round(rate * scale) for _, rate in self._bytes_per_token]
+        # Bytes already resident from an earlier forward of this step count against the budget.
+        available = budget - self._kept_resident_bytes - self.ledger.device_bytes
+        chosen = plan(
+            own,
+            available,
+            offloadable_layers=self._offloadable_layers,
+            prefetch_layers=self.prefetch_layers,
+            restore_bytes=restored,
+        )
+        step.planned_peak_bytes = chosen.predicted_peak_bytes + budget - available
+        step.plan_tokens = tokens
+        if not chosen.fits:
+            self._warn_once(
+                "device_budget",
+                f"hf_offload: a step of {tokens} tokens needs about {chosen.predicted_peak_bytes} bytes of decoder-"
+                f"layer activations on the device even with every offloadable layer offloaded, more than the "
+                f"{available} bytes max_device_bytes leaves (budget {budget}); it offloads every layer, as "
+                "without a budget. Shorter sequences, checkpointing or a larger max_device_bytes fit it.",
+            )
+        return chosen.offloaded_layers
 
     def _release_in_flight(self) -> None:
         while self._in_flight:
@@ -449,6 +682,9 @@ class ActivationOffloader:
             self._release_in_flight()
             self.ledger.peak_device_bytes = self.ledger.device_bytes
         # Backward runs layers in reverse creation order: groups created after this one are done.
+        if self._kept_resident:
+            for sequence in [s for s in self._kept_resident if s > group.sequence]:
+                self._kept_resident_bytes -= self._kept_resident.pop(sequence)
         still_ahead = []
         for ref in self._holding_ahead:
             held = ref()
@@ -474,6 +710,7 @@ class ActivationOffloader:
                 self._holding_ahead.append(weakref.ref(current))
             current = current.prev() if current.prev is not None else None
         step.peak_backward_held_bytes = max(step.peak_backward_held_bytes, self.ledger.peak_device_bytes)
+        self._note_resident()
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:

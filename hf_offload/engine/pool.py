@@ -22,25 +22,43 @@ def rounded_size(nbytes: int) -> int:
     return max(SMALLEST_BUFFER, 1 << (max(nbytes, 1) - 1).bit_length())
 
 
+class HostBuffer:
+    """A pooled host buffer, with a view of its first bytes kept for the next copy of the same
+    size: in steady training every copy of a layer has the size it had the step before, and
+    making a view costs more than the copy's own bookkeeping."""
+
+    __slots__ = ("block", "size", "_view")
+
+    def __init__(self, block: torch.UntypedStorage, size: int) -> None:
+        self.block, self.size = block, size
+        self._view: torch.UntypedStorage | None = None
+
+    def view(self, nbytes: int) -> torch.UntypedStorage:
+        view = self._view
+        if view is None or view.nbytes() != nbytes:
+            # StorageBase's own slicing: UntypedStorage.__getitem__ adds a Python-level device check.
+            view = self._view = torch._C.StorageBase.__getitem__(self.block, slice(0, nbytes))
+        return view
+
+
 class HostPool:
     def __init__(self, streams) -> None:
         self._streams = streams
-        self._free: dict[int, list[torch.Tensor]] = defaultdict(list)
+        self._free: dict[int, list[HostBuffer]] = defaultdict(list)
         self.free_bytes = 0
         self.owned_bytes = 0
         self.allocations = 0
 
-    def acquire(self, nbytes: int, limit: int) -> torch.Tensor:
-        """A whole buffer of `rounded_size(nbytes)` bytes; a new one only if the pool then owns
-        at most `limit` bytes, after giving back its free buffers if need be."""
-        size = rounded_size(nbytes)
+    def acquire(self, size: int, limit: int) -> HostBuffer:
+        """A buffer of `size` bytes (a `rounded_size`); a new one only if the pool then owns at
+        most `limit` bytes, after giving back its free buffers if need be."""
         free = self._free.get(size)
         if free:
             self.free_bytes -= size
             return free.pop()
         if self.owned_bytes + size > limit:
             self.trim()
-        buffer = self._streams.host_buffer(size)
+        buffer = HostBuffer(self._streams.host_buffer(size), size)
         self.allocations += 1
         self.owned_bytes += size
         return buffer
@@ -54,6 +72,6 @@ class HostPool:
         self._free.clear()
         self._streams.empty_host_cache()
 
-    def release(self, buffer: torch.Tensor) -> None:
-        self._free[buffer.numel()].append(buffer)
-        self.free_bytes += buffer.numel()
+    def release(self, buffer: HostBuffer) -> None:
+        self._free[buffer.size].append(buffer)
+        self.free_bytes += buffer.size

@@ -9,6 +9,7 @@ KEEP_REASONS = (
     "parameter",
     "too_small",
     "kept_layer",
+    "kept_for_budget",  # its layer stayed on the device: the device-memory budget had room for it
     "duplicate",
     "unsupported",
     "over_budget",  # offloading it would have taken host memory past max_host_bytes
@@ -29,6 +30,11 @@ class StepCounters:
     max_layer_offloaded_bytes: int = 0
     peak_forward_held_bytes: int = 0
     peak_backward_held_bytes: int = 0
+    max_device_bytes: int | None = None
+    peak_resident_bytes: int = 0
+    layers_kept_for_budget: int = 0
+    planned_peak_bytes: int | None = None
+    plan_tokens: int | None = None
     kept_tensors: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KEEP_REASONS, 0))
     kept_bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KEEP_REASONS, 0))
 
@@ -56,9 +62,14 @@ class OffloadStats:
     `restored_ahead` copies were brought back while a later layer's backward ran (prefetch);
     `restored_on_demand` ones only when their own layer's backward began. `peak_*_held_bytes`
     is the most device memory the engine itself kept referenced: sources of copies in flight
-    in forward, copies brought back ahead in backward. `host_bytes_held`, `live_host_copies`
-    and the `pool_*` fields are read now, not at the end of the step; `pool_allocations`
-    counts host buffers ever allocated (a pooled buffer is reused, not allocated again).
+    in forward, copies brought back ahead in backward. `peak_resident_bytes` adds what the kept
+    layers saved: the most decoder-layer activation bytes on the device at once, by the engine's
+    accounting. With a device-memory budget, `max_device_bytes` is the budget in force for the
+    step ("auto" resolved), `layers_kept_for_budget` how many offloadable layers the plan kept on
+    the device, `planned_peak_bytes` the peak the plan predicted for `plan_tokens` tokens.
+    `host_bytes_held`, `live_host_copies` and the `pool_*` fields are read now, not at the end
+    of the step; `pool_allocations` counts host buffers ever allocated (a pooled buffer is
+    reused, not allocated again).
     """
 
     mode: str
@@ -73,6 +84,11 @@ class OffloadStats:
     max_layer_offloaded_bytes: int
     peak_forward_held_bytes: int
     peak_backward_held_bytes: int
+    max_device_bytes: int | None
+    peak_resident_bytes: int
+    layers_kept_for_budget: int
+    planned_peak_bytes: int | None
+    plan_tokens: int | None
     host_bytes_held: int
     live_host_copies: int
     pool_bytes: int
@@ -103,6 +119,18 @@ class OffloadStats:
             f"device memory held by the engine at most: {_human(self.peak_forward_held_bytes)} in forward, "
             f"{_human(self.peak_backward_held_bytes)} in backward"
         )
+        lines.append(f"decoder-layer activations on the device at most: {_human(self.peak_resident_bytes)}")
+        if self.max_device_bytes is not None:
+            layers = self.layers_offloaded + self.layers_kept_for_budget
+            if self.planned_peak_bytes is None:
+                plan = "first step: every layer offloaded while the bytes per layer are measured"
+            else:
+                plan = (
+                    f"offloaded the first {self.layers_offloaded} of {layers} offloadable layer calls, kept "
+                    f"{self.layers_kept_for_budget} on the device; predicted peak {_human(self.planned_peak_bytes)}"
+                    f" for {self.plan_tokens if self.plan_tokens is not None else 'an unknown number of'} tokens"
+                )
+            lines.append(f"device-memory budget {_human(self.max_device_bytes)}: {plan}")
         lines.append(f"host memory held now: {_human(self.host_bytes_held)} in {self.live_host_copies} copies")
         lines.append(f"host buffer pool: {_human(self.pool_bytes)} ({_human(self.pool_free_bytes)} free)")
         return "\n".join(lines)

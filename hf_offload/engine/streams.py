@@ -1,8 +1,9 @@
 """The stream and event operations the engine issues, for a real accelerator and for the CPU.
 
 The engine only ever does these things: ask for the compute stream, record an event on a
-stream, make a stream wait for an event, enqueue byte copies on the copy stream, and allocate
-device and host buffers. Two implementations:
+stream, make a stream wait for an event, enqueue byte copies between storages of equal size on
+the copy stream, and allocate device and host buffers (as untyped storages). Two
+implementations:
 
 - `AcceleratorStreams`: CUDA first, and any device with `torch.Stream`/`torch.Event` support
   (XPU, NPU, ...) through the device-generic `torch.accelerator` API.
@@ -32,6 +33,12 @@ GARBAGE_BYTE = 0xFF  # all-ones bytes are NaN in every floating dtype
 def flat_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
     """A 1-D uint8 tensor over the whole storage, for copying it as raw bytes."""
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+def pinned_empty(nbytes: int) -> torch.Tensor:
+    """Page-locked host memory: what copies need to run asynchronously. Allocating it is slow and
+    may synchronise the device, which is why the pool reuses buffers across steps."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
 
 def _empty_host_cache() -> None:
@@ -64,26 +71,29 @@ class AcceleratorStreams:
     def wait(self, stream, event) -> None:
         stream.wait_event(event)
 
-    def copy_async(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Enqueue dst.copy_(src) for each pair on the copy stream."""
+    def copy_async(self, pairs: list[tuple[torch.UntypedStorage, torch.UntypedStorage]], to_host: bool) -> None:
+        """Enqueue dst.copy_(src) for each pair of storages of equal size on the copy stream.
+        Storage to storage: the byte views each copy needs are made inside it, on the copy
+        stream, so the compute stream never touches a source or destination after the event
+        the copy stream waited on."""
         with self.copy_stream:
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=True)
 
-    def device_buffer(self, nbytes: int) -> torch.Tensor:
+    def device_buffer(self, nbytes: int) -> torch.UntypedStorage:
         # Allocated on the compute stream, which owns the memory; the copy stream writes into it
         # only after waiting for the compute stream, and the compute stream reads it only after
         # waiting for the copy.
-        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device).untyped_storage()
 
     def empty_host_cache(self) -> None:
         # torch caches freed pinned blocks itself; dropping our references alone frees nothing.
         _empty_host_cache()
 
-    def host_buffer(self, nbytes: int) -> torch.Tensor:
+    def host_buffer(self, nbytes: int) -> torch.UntypedStorage:
         if self.pinned:
             try:
-                return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+                return pinned_empty(nbytes).untyped_storage()
             except RuntimeError as error:
                 self.pinned = False
                 # The message, not the exception: a handler that keeps log records (pytest's
@@ -94,7 +104,7 @@ class AcceleratorStreams:
                     "so copies to the host block the CPU until they finish",
                     str(error),
                 )
-        return torch.empty(nbytes, dtype=torch.uint8)
+        return torch.empty(nbytes, dtype=torch.uint8).untyped_storage()
 
 
 class _SimStream:
@@ -116,14 +126,16 @@ class _SimEvent:
 
 
 class _SimCopy:
-    __slots__ = ("dst", "dst_offset", "src", "src_offset", "nbytes", "ordered")
+    __slots__ = ("dst", "src", "ordered")
 
-    def __init__(self, dst: torch.Tensor, src: torch.Tensor, ordered: bool) -> None:
-        # Weak: a copy must not keep its memory alive; the engine has to.
-        self.dst = weakref.ref(dst.untyped_storage())
-        self.src = weakref.ref(src.untyped_storage())
-        self.dst_offset, self.src_offset = dst.storage_offset(), src.storage_offset()
-        self.nbytes = dst.numel()
+    def __init__(self, dst: torch.UntypedStorage, src: torch.UntypedStorage, to_host: bool, ordered: bool) -> None:
+        # The device side weakly: a copy must not keep device memory alive; the engine has to.
+        # The host side (a slice of a pooled buffer) strongly: the pool, not the slice, owns
+        # that memory, and reusing it is ordered by the copy stream itself.
+        if to_host:
+            self.dst, self.src = (lambda: dst), weakref.ref(src)
+        else:
+            self.dst, self.src = weakref.ref(dst), (lambda: src)
         self.ordered = ordered
 
     def run(self, violations: list[str]) -> None:
@@ -131,9 +143,9 @@ class _SimCopy:
         if dst is None:
             violations.append("a copy wrote into memory that had already been freed")
             return
-        target = flat_bytes(dst)[self.dst_offset : self.dst_offset + self.nbytes]
+        target = flat_bytes(dst)
         if self.ordered and src is not None:
-            target.copy_(flat_bytes(src)[self.src_offset : self.src_offset + self.nbytes])
+            target.copy_(flat_bytes(src))
         else:
             target.fill_(GARBAGE_BYTE)
 
@@ -176,22 +188,22 @@ class SimulatedStreams:
         elif stream is self.compute and not event.on_compute:
             self._run_until(event.sequence)  # the eager compute stream cannot go on before it
 
-    def copy_async(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def copy_async(self, pairs: list[tuple[torch.UntypedStorage, torch.UntypedStorage]], to_host: bool) -> None:
         ordered = self.copy_stream.caught_up_to >= self.clock
         for dst, src in pairs:
-            self.queued.append(_SimCopy(dst, src, ordered))
+            self.queued.append(_SimCopy(dst, src, to_host, ordered))
             self.enqueued += 1
         if self.schedule == "eager":
             self._run_until(self.enqueued)
         else:
             self._maybe_progress()
 
-    def device_buffer(self, nbytes: int) -> torch.Tensor:
+    def device_buffer(self, nbytes: int) -> torch.UntypedStorage:
         self.clock += 1
-        return torch.full((nbytes,), GARBAGE_BYTE, dtype=torch.uint8)
+        return torch.full((nbytes,), GARBAGE_BYTE, dtype=torch.uint8).untyped_storage()
 
-    def host_buffer(self, nbytes: int) -> torch.Tensor:
-        return torch.full((nbytes,), GARBAGE_BYTE, dtype=torch.uint8)
+    def host_buffer(self, nbytes: int) -> torch.UntypedStorage:
+        return torch.full((nbytes,), GARBAGE_BYTE, dtype=torch.uint8).untyped_storage()
 
     def empty_host_cache(self) -> None:
         pass
