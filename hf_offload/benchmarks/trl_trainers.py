@@ -1,0 +1,514 @@
+"""TRL's SFTTrainer and GRPOTrainer with and without activation offloading: peak device memory
+and tokens/s.
+
+    python -m hf_offload.benchmarks.trl_trainers [--seq-lens 4096 16384] [--steps 3] [--trainers sft grpo]
+        [--setups neither trl_offload hf_offload] [--preset 1b] [--no-checkpointing] [--lora-rank R]
+    python -m hf_offload.benchmarks.trl_trainers --device cpu   # smoke run: tiny preset, a few tokens
+
+For each trainer and sequence length it trains a fresh random-weight Llama (the preset's shape,
+bf16, built directly on the device) for a few steps in three setups: neither offloading; TRL's
+own (`activation_offloading=True`); hf_offload (`model.enable_activation_offloading()`), with
+gradient checkpointing on in all three unless --no-checkpointing. It prints a markdown table of
+the peak device memory (torch.cuda.max_memory_allocated over the run: weights, gradients,
+optimizer state and activations) and the tokens per second of the fastest step after the first,
+with ratios against the "neither" row of the same trainer and length, measured in the same run.
+
+SFT: batch 1 (--sft-batch-size), each sequence exactly seq-len tokens. GRPO: one prompt of
+seq-len minus --completion-length tokens per step, --generations completions of exactly
+--completion-length tokens each (min_new_tokens), TRL's default sampling, beta 0 (TRL's
+default: no reference model), a cheap python reward; its step time includes generation, shown
+apart in its own column. Tokens per step are read from the trainer's own `num_tokens` log.
+
+TRL 1.16's GRPOConfig has no `activation_offloading`; for GRPO the script then enters TRL's
+own offloading context (`get_act_offloading_ctx_manager(model)`) around each `training_step`,
+as SFTTrainer does when the flag is on, and says so. A setup that fails (TRL's offloading
+raises on a machine without an accelerator) or runs out of memory is recorded with the reason,
+and the longer lengths of that setup are skipped.
+
+Needs no network: the tokenizer is a word-level one built here with one word per id of the
+model's vocabulary, the datasets are made here (`datasets` must be installed: TRL's trainers
+import it). Without CUDA it says so and exits 2, unless --device cpu: a smoke run of the whole
+script with the tiny preset, fp32 and hf_offload's CPU simulation, where memory is not measured
+and the timings mean nothing. Exits 1 when a run without offloading or with hf_offload failed
+other than by running out of memory, 2 without CUDA or without `datasets`.
+
+The defaults (1b, 4096 and 16384 tokens, 3 steps, 12 runs) are estimated at about two minutes
+on one H200; the script has not been run on a GPU yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import gc
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from hf_offload.bench import PRESET_CONFIGS
+
+TRAINERS = ("sft", "grpo")
+SETUPS = ("neither", "trl_offload", "hf_offload")
+SPECIAL = ("<pad>", "<unk>", "<bos>", "<eos>")
+PAD, UNK, BOS, EOS = range(len(SPECIAL))
+
+
+@dataclass
+class Record:
+    trainer: str
+    setup: str
+    seq_len: int
+    status: str  # "ok", "oom", "skipped: ...", "failed: ..."
+    peak_device_bytes: int | None = None  # None on the CPU
+    step_seconds: float | None = None  # the fastest step after the first
+    generate_seconds: float | None = None  # GRPO: time inside model.generate in that step
+    tokens_per_step: float | None = None
+    tokens_per_second: float | None = None
+    offloaded_bytes: int | None = None  # hf_offload's last step
+    leftover_bytes: int | None = None  # device memory still allocated when the run began (an earlier run's leak)
+
+
+@dataclass
+class Options:
+    device: torch.device
+    dtype: torch.dtype
+    preset: str
+    steps: int
+    checkpointing: bool
+    lora_rank: int
+    sft_batch_size: int
+    generations: int
+    completion_length: int
+    max_positions: int
+
+
+def offline_tokenizer(vocab_size: int):
+    """A word-level tokenizer with one word per id of the model's vocabulary ("w4" is id 4), so
+    that every id a random model samples decodes; no download."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: index for index, token in enumerate(SPECIAL)}
+    vocab.update({f"w{index}": index for index in range(len(SPECIAL), vocab_size)})
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token=SPECIAL[UNK]))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        pad_token=SPECIAL[PAD],
+        unk_token=SPECIAL[UNK],
+        bos_token=SPECIAL[BOS],
+        eos_token=SPECIAL[EOS],
+    )
+
+
+def build_model(options: Options):
+    """Random weights in the preset's Llama shape, initialised on the device in the run's dtype
+    (no host copy of a 1B model, no download)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(
+        **PRESET_CONFIGS[options.preset],
+        pad_token_id=PAD,
+        bos_token_id=BOS,
+        eos_token_id=EOS,
+        max_position_embeddings=options.max_positions,
+    )
+    torch.manual_seed(0)
+    with torch.device(options.device):
+        model = AutoModelForCausalLM.from_config(config, dtype=options.dtype)
+    return model.train()
+
+
+def words(count: int, vocab_size: int, seed: int) -> str:
+    """`count` random words of the offline tokenizer: exactly `count` tokens."""
+    ids = torch.randint(len(SPECIAL), vocab_size, (count,), generator=torch.Generator().manual_seed(seed))
+    return " ".join(f"w{index}" for index in ids.tolist())
+
+
+def length_reward(completions, **kwargs) -> list[float]:
+    """Cheap and varied within a group, so that advantages are not all zero."""
+    return [float(len(completion) % 7) for completion in completions]
+
+
+class StepTimer:
+    """Wall time of each optimizer step (data loading excluded; GRPO's generation included, as
+    TRL runs it inside training_step) and the time spent in model.generate during it."""
+
+    def __init__(self, synchronize: Callable[[], None]) -> None:
+        from transformers import TrainerCallback
+
+        timer = self
+        self.synchronize = synchronize
+        self.steps: list[float] = []
+        self.generate: list[float] = []
+        self._in_generate = 0.0
+
+        class Callback(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kwargs):
+                timer.synchronize()
+                timer._start, timer._in_generate = time.perf_counter(), 0.0
+
+            def on_step_end(self, args, state, control, **kwargs):
+                timer.synchronize()
+                timer.steps.append(time.perf_counter() - timer._start)
+                timer.generate.append(timer._in_generate)
+
+        self.callback = Callback()
+
+    def wrap_generate(self, model) -> None:
+        generate = model.generate
+
+        def timed(*args, **kwargs):
+            self.synchronize()
+            start = time.perf_counter()
+            try:
+                return generate(*args, **kwargs)
+            finally:
+                self.synchronize()
+                self._in_generate += time.perf_counter() - start
+
+        model.generate = timed
+
+
+def checkpointing_field(config_class) -> str:
+    """transformers 5.24 renamed TrainingArguments.gradient_checkpointing (kept as an alias)."""
+    names = {field.name for field in dataclasses.fields(config_class)}
+    return "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"
+
+
+def has_trl_offloading_flag(config_class) -> bool:
+    return "activation_offloading" in {field.name for field in dataclasses.fields(config_class)}
+
+
+def grpo_trainer_with_trl_offloading():
+    """GRPOTrainer with TRL's own offloading context around each training_step, exactly where
+    SFTTrainer enters it when activation_offloading=True (GRPOConfig has no such flag)."""
+    from trl import GRPOTrainer
+    from trl.models.activation_offloading import get_act_offloading_ctx_manager
+
+    class GRPOTrainerWithTRLOffloading(GRPOTrainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.trl_offloading_context = get_act_offloading_ctx_manager(model=self.model)
+
+        def training_step(self, *args, **kwargs):
+            with self.trl_offloading_context:
+                return super().training_step(*args, **kwargs)
+
+    return GRPOTrainerWithTRLOffloading
+
+
+def make_trainer(trainer_name: str, setup: str, seq_len: int, model, tokenizer, output_dir: str, options: Options):
+    from datasets import Dataset
+    from transformers import PrinterCallback
+    from trl import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
+
+    on_cpu = options.device.type == "cpu"
+    common = dict(
+        output_dir=output_dir,
+        max_steps=options.steps,
+        learning_rate=1e-5,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        seed=0,
+        use_cpu=on_cpu,
+        bf16=options.dtype == torch.bfloat16,
+    )
+    config_class = SFTConfig if trainer_name == "sft" else GRPOConfig
+    common[checkpointing_field(config_class)] = options.checkpointing
+    trl_flag = setup == "trl_offload" and has_trl_offloading_flag(config_class)
+    if trl_flag:
+        common["activation_offloading"] = True
+    peft_config = None
+    if options.lora_rank:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=options.lora_rank, target_modules="all-linear", task_type="CAUSAL_LM")
+    vocab = model.config.vocab_size
+    if trainer_name == "sft":
+        batch = options.sft_batch_size
+        texts = [words(seq_len, vocab, seed) for seed in range(options.steps * batch)]
+        trainer = SFTTrainer(
+            model=model,
+            args=SFTConfig(**common, per_device_train_batch_size=batch, max_length=seq_len, packing=False),
+            train_dataset=Dataset.from_dict({"text": texts}),
+            processing_class=tokenizer,
+            peft_config=peft_config,
+        )
+    else:
+        prompt_length = seq_len - options.completion_length
+        prompts = [words(prompt_length, vocab, seed) for seed in range(options.steps + 1)]
+        trainer_class = GRPOTrainer
+        if setup == "trl_offload" and not trl_flag:
+            trainer_class = grpo_trainer_with_trl_offloading()
+        trainer = trainer_class(
+            model=model,
+            reward_funcs=length_reward,
+            args=GRPOConfig(
+                **common,
+                per_device_train_batch_size=options.generations,
+                num_generations=options.generations,
+                max_completion_length=options.completion_length,
+                generation_kwargs={"min_new_tokens": options.completion_length},
+            ),
+            train_dataset=Dataset.from_dict({"prompt": prompts}),
+            processing_class=tokenizer,
+            peft_config=peft_config,
+        )
+    trainer.remove_callback(PrinterCallback)
+    return trainer
+
+
+def measure(trainer_name: str, setup: str, seq_len: int, tokenizer, options: Options) -> Record:
+    import hf_offload
+
+    cuda = options.device.type == "cuda"
+    synchronize = torch.cuda.synchronize if cuda else (lambda: None)
+    model = trainer = None
+    if cuda:  # what a failed run's traceback held is free by now
+        gc.collect()
+        torch.cuda.empty_cache()
+    leftover = torch.cuda.memory_allocated() if cuda else None
+    try:
+        model = build_model(options)
+        if setup == "hf_offload":
+            # On the CPU the engine simulates a device, and moves every tensor however small.
+            extra = dict(simulate_on_cpu=True, min_offload_bytes=0) if not cuda else {}
+            model.enable_activation_offloading(**extra)
+        with tempfile.TemporaryDirectory() as output_dir:
+            trainer = make_trainer(trainer_name, setup, seq_len, model, tokenizer, output_dir, options)
+            timer = StepTimer(synchronize)
+            trainer.add_callback(timer.callback)
+            if trainer_name == "grpo":
+                timer.wrap_generate(trainer.model)
+            if cuda:
+                synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            trainer.train()
+            synchronize()
+        peak = torch.cuda.max_memory_allocated() if cuda else None
+        counted = [entry["num_tokens"] for entry in trainer.state.log_history if "num_tokens" in entry]
+        tokens_per_step = counted[-1] / options.steps
+        timed = timer.steps[1:] or timer.steps  # the first step warms up (allocator, kernels, pools)
+        fastest = timer.steps.index(min(timed), 1 if len(timer.steps) > 1 else 0)
+        seconds = timer.steps[fastest]
+        offloaded = None
+        if setup == "hf_offload":
+            offloaded = hf_offload.activation_offloading_stats(trainer.model).offloaded_bytes
+        return Record(
+            trainer=trainer_name,
+            setup=setup,
+            seq_len=seq_len,
+            status="ok",
+            peak_device_bytes=peak,
+            step_seconds=seconds,
+            generate_seconds=timer.generate[fastest] if trainer_name == "grpo" else None,
+            tokens_per_step=tokens_per_step,
+            tokens_per_second=tokens_per_step / seconds,
+            offloaded_bytes=offloaded,
+            leftover_bytes=leftover,
+        )
+    finally:
+        del trainer, model
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+
+
+def _is_oom(error: BaseException) -> bool:
+    return isinstance(error, (torch.OutOfMemoryError, MemoryError))
+
+
+def run_all(trainers, setups, seq_lens, options: Options, report: Callable[[Record], None] = lambda record: None):
+    tokenizer = offline_tokenizer(PRESET_CONFIGS[options.preset]["vocab_size"])
+    records = []
+    for trainer_name in trainers:
+        stopped: dict[str, str] = {}
+        for setup in setups:
+            for seq_len in seq_lens:
+                if setup in stopped:
+                    record = Record(trainer_name, setup, seq_len, f"skipped: {stopped[setup]} at a shorter length")
+                else:
+                    try:
+                        record = measure(trainer_name, setup, seq_len, tokenizer, options)
+                    except Exception as error:  # a setup that fails is recorded, never fatal to the run
+                        stopped[setup] = "out of memory" if _is_oom(error) else "failed"
+                        status = "oom" if _is_oom(error) else f"failed: {type(error).__name__}: {str(error)[:160]}"
+                        record = Record(trainer_name, setup, seq_len, status)
+                records.append(record)
+                report(record)
+    return records
+
+
+def _ratio(value, base) -> str:
+    if value is None or base is None or not base:
+        return "-"
+    return f"{value / base:.3f}x"
+
+
+def markdown_table(records: list[Record]) -> str:
+    baseline = {(r.trainer, r.seq_len): r for r in records if r.setup == "neither" and r.status == "ok"}
+    lines = [
+        "| trainer | setup | seq | peak GiB | peak vs neither | step ms | of it generate ms | tokens/step "
+        "| tokens/s | tokens/s vs neither | offloaded MiB | status |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def number(value, scale=1.0, digits=1) -> str:
+        return "-" if value is None else f"{value / scale:.{digits}f}"
+
+    for r in records:
+        base = baseline.get((r.trainer, r.seq_len))
+        lines.append(
+            f"| {r.trainer} | {r.setup} | {r.seq_len} | {number(r.peak_device_bytes, 2**30, 2)} "
+            f"| {_ratio(r.peak_device_bytes, base and base.peak_device_bytes)} "
+            f"| {number(r.step_seconds, 1e-3)} | {number(r.generate_seconds, 1e-3)} "
+            f"| {number(r.tokens_per_step, digits=0)} | {number(r.tokens_per_second, digits=0)} "
+            f"| {_ratio(r.tokens_per_second, base and base.tokens_per_second)} "
+            f"| {number(r.offloaded_bytes, 2**20)} | {r.status} |"
+        )
+    return "\n".join(lines)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a smoke run (default cuda)")
+    parser.add_argument("--seq-lens", type=int, nargs="+", help="tokens per sequence (default 4096 16384; cpu 32 48)")
+    parser.add_argument("--steps", type=int, help="optimizer steps per run, the first one untimed (default 3; cpu 2)")
+    parser.add_argument("--trainers", nargs="+", choices=TRAINERS, default=list(TRAINERS))
+    parser.add_argument(
+        "--setups", nargs="+", choices=SETUPS, default=list(SETUPS), help="ratios need 'neither' (default: all three)"
+    )
+    parser.add_argument("--preset", choices=sorted(PRESET_CONFIGS), help="Llama shape (default 1b; cpu tiny)")
+    parser.add_argument("--no-checkpointing", action="store_true", help="turn gradient checkpointing off in all setups")
+    parser.add_argument("--lora-rank", type=int, default=0, help="train a LoRA adapter of this rank (default 0: full)")
+    parser.add_argument("--sft-batch-size", type=int, default=1)
+    parser.add_argument("--generations", type=int, default=2, help="GRPO completions per prompt (default 2)")
+    parser.add_argument("--completion-length", type=int, help="GRPO completion tokens (default 32; cpu 4)")
+    args = parser.parse_args(argv)
+    cpu = args.device == "cpu"
+    defaults = dict(seq_lens=[32, 48], steps=2, preset="tiny", completion_length=4) if cpu else {}
+    defaults = {**dict(seq_lens=[4096, 16384], steps=3, preset="1b", completion_length=32), **defaults}
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    checks = [
+        (args.steps >= 1, f"--steps must be at least 1, got {args.steps}"),
+        (args.generations >= 2, f"--generations must be at least 2 (GRPO compares a group), got {args.generations}"),
+        (args.completion_length >= 1, f"--completion-length must be at least 1, got {args.completion_length}"),
+        (args.sft_batch_size >= 1, f"--sft-batch-size must be at least 1, got {args.sft_batch_size}"),
+        (args.lora_rank >= 0, f"--lora-rank must be 0 (full fine-tuning) or more, got {args.lora_rank}"),
+    ]
+    too_short = [n for n in args.seq_lens if n <= args.completion_length]
+    checks.append(
+        (
+            not too_short or "grpo" not in args.trainers,
+            f"--seq-lens {too_short} leave no prompt: each must exceed --completion-length {args.completion_length}",
+        )
+    )
+    checks.append((all(n >= 2 for n in args.seq_lens), f"--seq-lens must be at least 2 tokens, got {args.seq_lens}"))
+    for ok, message in checks:
+        if not ok:
+            parser.error(message)
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("no CUDA device: this benchmark measures GPU memory and needs one (--device cpu runs a smoke test)")
+        return 2
+    try:
+        import datasets
+    except ImportError:
+        print("datasets is not installed: TRL's trainers import it (pip install datasets)")
+        return 2
+    from accelerate import PartialState
+    from transformers.utils import logging as transformers_logging
+
+    from hf_offload.benchmarks.gpu_check import package_versions
+
+    # TRL's logging goes through accelerate's, which refuses to log before the state exists.
+    PartialState(cpu=device.type == "cpu")
+    options = Options(
+        device=device,
+        dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
+        preset=args.preset,
+        steps=args.steps,
+        checkpointing=not args.no_checkpointing,
+        lora_rank=args.lora_rank,
+        sft_batch_size=args.sft_batch_size,
+        generations=args.generations,
+        completion_length=args.completion_length,
+        max_positions=max(args.seq_lens),
+    )
+    import trl
+
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (smoke run: simulated copies)"
+    cuda = f", CUDA {torch.version.cuda}" if device.type == "cuda" else ""
+    tuning = f"LoRA r={args.lora_rank}" if args.lora_rank else "full fine-tuning"
+    print(f"date: {datetime.date.today().isoformat()}")
+    print(f"device: {where}, torch {torch.__version__}{cuda}")
+    print(f"packages: {package_versions()}")
+    print(
+        f"model: {args.preset} Llama shape, random weights, {str(options.dtype).removeprefix('torch.')}, {tuning}, "
+        f"gradient checkpointing {'on' if options.checkpointing else 'off'}; {args.steps} steps per run, "
+        "the fastest after the first timed"
+    )
+    print(
+        f"SFT: batch {args.sft_batch_size}; GRPO: {args.generations} completions of {args.completion_length} tokens "
+        "per prompt, prompt = seq - completion, beta 0, step time includes generation"
+    )
+    if "grpo" in args.trainers and not has_trl_offloading_flag(trl.GRPOConfig):
+        print(
+            f"GRPO trl_offload: GRPOConfig in TRL {trl.__version__} has no activation_offloading; this script enters "
+            "TRL's own context (get_act_offloading_ctx_manager) around each training_step, as SFTTrainer does"
+        )
+    if device.type == "cpu":
+        print("CPU: no device memory to measure; timings include simulated copies and say nothing about a GPU")
+    print(flush=True)
+
+    def report(record: Record) -> None:
+        tps = "" if record.tokens_per_second is None else f", {record.tokens_per_second:.0f} tokens/s"
+        print(f"  {record.trainer:<5} {record.setup:<12} seq {record.seq_len:>6}: {record.status}{tps}", flush=True)
+
+    start = time.perf_counter()
+    # Quiet while it runs (the trainers' advice and progress bars would bury the table), and
+    # everything put back after, for a caller that runs main() in its own process.
+    threads, verbosity = torch.get_num_threads(), transformers_logging.get_verbosity()
+    bars = datasets.is_progress_bar_enabled()
+    if device.type == "cpu":
+        # A tiny model gains nothing from more threads, and on a busy machine their spin-waits
+        # made each small matmul 100x slower.
+        torch.set_num_threads(1)
+    transformers_logging.set_verbosity_error()
+    datasets.disable_progress_bars()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            records = run_all(args.trainers, args.setups, args.seq_lens, options, report)
+    finally:
+        torch.set_num_threads(threads)
+        transformers_logging.set_verbosity(verbosity)
+        if bars:
+            datasets.enable_progress_bars()
+    print(f"\n{len(records)} runs in {time.perf_counter() - start:.0f} s\n")
+    print(markdown_table(records))
+    leaked = [r for r in records if r.leftover_bytes and r.leftover_bytes > 256 * 2**20]
+    for r in leaked:
+        print(f"note: {r.trainer} {r.setup} {r.seq_len} began with {r.leftover_bytes / 2**30:.2f} GiB still allocated")
+    # A failure of the runs that need nothing but TRL and hf_offload is the script's or ours.
+    broken = [r for r in records if r.setup != "trl_offload" and r.status.startswith("failed")]
+    return 1 if broken else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

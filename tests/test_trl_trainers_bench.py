@@ -1,0 +1,90 @@
+"""`python -m hf_offload.benchmarks.trl_trainers`, the GPU script for SFTTrainer and GRPOTrainer,
+run end to end on the CPU (--device cpu: tiny preset, a few tokens, hf_offload's CPU simulation)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_trl import cpu_capable_trl_offloading
+
+from hf_offload.benchmarks import trl_trainers
+
+SMOKE = ["--device", "cpu", "--steps", "1"]
+
+
+def table_rows(output: str) -> dict[tuple[str, str, int], dict[str, str]]:
+    """The printed markdown table, one dict per row keyed by (trainer, setup, seq)."""
+    lines = [line for line in output.splitlines() if line.startswith("| ")]
+    header = [cell.strip() for cell in lines[0].strip("|").split("|")]
+    rows = {}
+    for line in lines[1:]:
+        row = dict(zip(header, (cell.strip() for cell in line.strip("|").split("|")), strict=True))
+        rows[row["trainer"], row["setup"], int(row["seq"])] = row
+    return rows
+
+
+def test_cpu_smoke_run_measures_both_trainers_and_records_trl_failing(capsys):
+    """Both trainers, all three setups, two lengths: the runs without offloading and with
+    hf_offload train and report tokens per step as the trainers counted them (SFT: seq; GRPO: 2
+    completions of prompt + completion = seq), hf_offload moved something, GRPO's generation
+    time is shown; TRL's offloading, which raises without an accelerator, is recorded as failed
+    with the reason and its longer length skipped, and the script still exits 0."""
+    assert trl_trainers.main([*SMOKE, "--seq-lens", "16", "24"]) == 0
+    output = capsys.readouterr().out
+    assert "device: CPU" in output and "trl 1.16" in output and "date: " in output
+    assert "GRPOConfig in TRL" in output  # says how the GRPO trl_offload row is made
+    rows = table_rows(output)
+    assert len(rows) == 2 * 3 * 2
+    for trainer, per_sequence in (("sft", 1), ("grpo", 2)):
+        for seq in (16, 24):
+            for setup in ("neither", "hf_offload"):
+                row = rows[trainer, setup, seq]
+                assert row["status"] == "ok", row
+                assert float(row["tokens/step"]) == per_sequence * seq
+                assert float(row["tokens/s"]) > 0 and row["tokens/s vs neither"].endswith("x")
+                assert row["peak GiB"] == "-"  # no device memory on the CPU: not invented
+                assert (row["of it generate ms"] != "-") == (trainer == "grpo")
+            assert rows[trainer, "neither", seq]["tokens/s vs neither"] == "1.000x"
+            assert float(rows[trainer, "hf_offload", seq]["offloaded MiB"]) > 0
+            assert rows[trainer, "neither", seq]["offloaded MiB"] == "-"
+        assert rows[trainer, "trl_offload", 16]["status"].startswith("failed: AttributeError")
+        assert rows[trainer, "trl_offload", 24]["status"] == "skipped: failed at a shorter length"
+
+
+def test_trl_offloading_rows_run_where_trl_can(capsys, monkeypatch):
+    """With TRL's offloading able to run (CPU taken as its accelerator, no pinning, no streams:
+    tests/test_trl.py's patch), the trl_offload rows train, for GRPO too, where the script enters
+    TRL's context around training_step itself; TRL's hooks saw tensors in both trainers."""
+    created = cpu_capable_trl_offloading(monkeypatch)
+    import trl.models.activation_offloading as activation_offloading
+    import trl.trainer.sft_trainer as sft_trainer
+
+    monkeypatch.setattr(
+        activation_offloading, "get_act_offloading_ctx_manager", sft_trainer.get_act_offloading_ctx_manager
+    )
+    assert trl_trainers.main([*SMOKE, "--seq-lens", "16", "--setups", "trl_offload"]) == 0
+    rows = table_rows(capsys.readouterr().out)
+    assert [row["status"] for row in rows.values()] == ["ok", "ok"]
+    assert float(rows["grpo", "trl_offload", 16]["tokens/step"]) == 32
+    assert len(created) == 2 and all(context.tensor_id > 0 for context in created), "TRL's offloading did not run"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_without_cuda_it_says_so_and_exits_2(capsys):
+    assert trl_trainers.main([]) == 2
+    assert "no CUDA device" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--seq-lens", "32", "--completion-length", "32"], "--seq-lens [32] leave no prompt"),
+        (["--generations", "1"], "--generations must be at least 2"),
+        (["--steps", "0"], "--steps must be at least 1, got 0"),
+    ],
+)
+def test_bad_arguments_are_named(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        trl_trainers.main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
