@@ -354,6 +354,8 @@ def test_step_peak_per_token_matches_cpu_allocations(tuning, checkpointing, voca
     model, shape = tiny_step_model(tuning, checkpointing, vocab)
     slope, running = measured_slope(model, vocab)
     lora = {} if tuning == "full" else {"lora_rank": 8, "lora_dtype_bytes": 2}
+    # The phase that wins once tokens dominate: at a few hundred tokens the layer phase's fixed
+    # part (it counts every gradient, an upper bound) can still decide it on a model this small.
     peak = step_peak(shape, seq_len=512, mode="checkpointing" if checkpointing else "none", **lora)
     assert peak.per_token_bytes == pytest.approx(slope, rel=0.10)
     assert peak.phase.name == phase_running(running), f"running at the peak: {running[:4]}"
