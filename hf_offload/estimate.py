@@ -248,6 +248,8 @@ class Fixed:
     gradients: int  # trainable parameters' gradients
     optimizer: int  # optimizer state for the trainable parameters
     head_gradient: int  # lm_head's gradient, when lm_head trains
+    layer_gradient: int  # one decoder layer's share of `gradients`
+    embedding_gradient: int  # the input embedding's, when it trains and is not lm_head's
 
     @property
     def total(self) -> int:
@@ -275,12 +277,22 @@ def fixed_bytes(
     if lora_rank is None:
         trainable = weights
         head = shape.vocab * shape.hidden * dtype_bytes
+        layer = (shape.layer_parameters + 2 * shape.hidden) * dtype_bytes
+        embedding = 0 if shape.tied_embeddings else head
     else:
         _require_positive_int("lora_rank", lora_rank)
         trainable = shape.lora_parameters(lora_rank) * (lora_dtype_bytes or dtype_bytes)
         weights += trainable
-        head = 0
-    return Fixed(weights=weights, gradients=trainable, optimizer=optimizer_states * trainable, head_gradient=head)
+        head = embedding = 0
+        layer = trainable // shape.layers
+    return Fixed(
+        weights=weights,
+        gradients=trainable,
+        optimizer=optimizer_states * trainable,
+        head_gradient=head,
+        layer_gradient=layer,
+        embedding_gradient=embedding,
+    )
 
 
 def _resident_layers(mode: str, shape: Shape, keep_last_layers: int, prefetch_layers: int) -> tuple[int, int]:
@@ -309,15 +321,20 @@ def step_phases(
     prefetch_layers: int = 1,
     optimizer_states: int = 2,
 ) -> tuple[Phase, ...]:
-    """The moments of a training step (forward and backward, optimizer state present, gradients
-    set to None between steps) that may hold its peak, each linear in the number of tokens:
+    """The moments of a training step (forward, backward and the optimizer step; optimizer state
+    present throughout, gradients set to None between steps) that may hold its peak, each linear
+    in the number of tokens:
 
     - "loss head": the loss head's own peak (backward of `log_softmax`; with a fused loss, its
       forward) over the saved activations of the layers still resident then;
     - "final norm backward": RMSNorm's float32 backward temporaries over the same residents;
-    - "layer backward": the last decoder layer's backward (recomputed first under checkpointing),
-      its saved tensors and its working set, over the other resident layers. Gradients of all
-      trainable parameters are counted here (an upper bound: they are complete only at the end).
+    - "last layer backward": the first decoder layer backward reaches (recomputed first under
+      checkpointing): its saved tensors and working set over every other resident layer, with
+      only lm_head's and that layer's gradients allocated so far;
+    - "first layer backward": the last one backward reaches: every gradient but the input
+      embedding's exists, and only that layer's activations remain;
+    - "optimizer step": weights, gradients and optimizer state, nothing per token (the
+      temporaries of a foreach optimizer step, up to a copy of the parameters, are not counted).
 
     `mode` is one of MODES. Offloaded modes assume hf_offload's default policy: `keep_last_layers`
     layers stay on the device, `prefetch_layers` are brought back ahead in backward.
@@ -353,8 +370,11 @@ def step_phases(
     )
     # Under checkpointing the resident checkpoint inputs include the recomputed layer's own, and
     # its recompute saves what the layer would have saved without checkpointing.
-    layers_in_backward = in_backward * per_layer + (full if checkpointing else 0)
-    phases = (
+    recomputed = full if checkpointing else 0
+    last_layer = in_backward * per_layer + recomputed
+    first_layer = per_layer + recomputed
+    gradients_before_embedding = fixed.gradients - fixed.embedding_gradient
+    return (
         Phase(
             "loss head",
             head_fixed,
@@ -368,13 +388,19 @@ def step_phases(
             {"layers": at_head * per_layer, "final norm": final_norm + norm_backward, "other": misc},
         ),
         Phase(
-            "layer backward",
-            fixed.total,
-            layers_in_backward + layer_work + misc,
-            {"layers": layers_in_backward, "layer working set": layer_work, "other": misc},
+            "last layer backward",
+            before_backward + fixed.head_gradient + fixed.layer_gradient,
+            last_layer + layer_work + misc,
+            {"layers": last_layer, "layer working set": layer_work, "other": misc},
         ),
+        Phase(
+            "first layer backward",
+            before_backward + gradients_before_embedding,
+            first_layer + layer_work + misc,
+            {"layers": first_layer, "layer working set": layer_work, "other": misc},
+        ),
+        Phase("optimizer step", fixed.total, 0, {}),
     )
-    return phases
 
 
 @dataclass(frozen=True)
@@ -398,6 +424,12 @@ class StepPeak:
         """The slope of the peak at this length: what one more token costs."""
         return self.phase.per_token_bytes
 
+    @property
+    def long_phase(self) -> Phase:
+        """The phase that holds the peak once sequences are long enough for the per-token part
+        to dominate (its slope is the most any phase grows by)."""
+        return max(self.phases, key=lambda phase: (phase.per_token_bytes, phase.fixed_bytes))
+
 
 def step_peak(shape: Shape, *, seq_len: int, batch_size: int = 1, mode: str, **options) -> StepPeak:
     """Peak device memory of one training step of `batch_size` sequences of `seq_len` tokens in
@@ -415,11 +447,13 @@ def max_seq_len(device_memory_bytes: int, shape: Shape, *, mode: str, batch_size
     if not device_memory_bytes > 0:
         raise ValueError(f"device_memory_bytes must be > 0, got {device_memory_bytes}")
     _require_positive_int("batch_size", batch_size)
+    phases = step_phases(shape, mode=mode, **options)
+    if any(phase.fixed_bytes > device_memory_bytes for phase in phases):
+        return 0
     tokens = min(
-        (device_memory_bytes - phase.fixed_bytes) // phase.per_token_bytes
-        for phase in step_phases(shape, mode=mode, **options)
+        (device_memory_bytes - phase.fixed_bytes) // phase.per_token_bytes for phase in phases if phase.per_token_bytes
     )
-    return max(int(tokens) // batch_size, 0)
+    return int(tokens) // batch_size
 
 
 # ---------------------------------------------------------------------------------------------
@@ -762,10 +796,12 @@ def format_assumptions(
 
 
 def format_step_peaks(peaks: list[StepPeak], fixed: Fixed) -> str:
-    lines = [f"{'mode':<26}{'peak GiB':>10}{'MB/token':>10}  peak phase"]
+    lines = [f"{'mode':<26}{'peak GiB':>10}{'MB/token':>10}  {'peak phase':<22}at long lengths"]
     for peak in peaks:
+        long = peak.long_phase
         lines.append(
-            f"{peak.mode:<26}{peak.peak_bytes / 2**30:>10.2f}{peak.per_token_bytes / 1e6:>10.3f}  {peak.phase.name}"
+            f"{peak.mode:<26}{peak.peak_bytes / 2**30:>10.2f}{peak.per_token_bytes / 1e6:>10.3f}  "
+            f"{peak.phase.name:<22}{long.per_token_bytes / 1e6:.3f} MB/token, {long.name}"
         )
     lines.append(
         f"(fixed part: weights {gib(fixed.weights)}, gradients {gib(fixed.gradients)}, "
