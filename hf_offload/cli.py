@@ -100,15 +100,18 @@ def _run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def _add_estimate_command(commands: argparse._SubParsersAction) -> None:
-    from .estimate import DTYPE_BYTES, PRESETS
+    from .estimate import DEVICES, DTYPE_BYTES, PRESETS
 
     estimate = commands.add_parser(
         "estimate",
-        help="predict activation memory, what offloading saves, and whether its copies hide behind compute",
+        help="predict a training step's memory per mode, the longest sequence that fits, and its time",
         description=(
             "Predict the activation bytes a decoder-only model saves per layer and in total, the device memory "
-            "offloading saves, the host memory it needs, and whether one layer's copies fit in one layer's "
-            "compute. Nothing is run or downloaded."
+            "offloading saves, the host memory it needs, whether one layer's copies fit in one layer's compute, "
+            "the compute time of a step, and the peak device memory of the whole step (weights, gradients, "
+            "optimizer state, activations, loss head) in each mode: no offloading, hf_offload, checkpointing, "
+            "checkpointing + hf_offload. With --device-memory (or --device), the longest sequence that fits in "
+            "each mode. Nothing is run or downloaded."
         ),
     )
     source = estimate.add_mutually_exclusive_group()
@@ -126,38 +129,165 @@ def _add_estimate_command(commands: argparse._SubParsersAction) -> None:
         "--lora-rank", type=_int_at_least(1, "lora-rank"), default=None, help="LoRA on every linear layer"
     )
     estimate.add_argument(
-        "--lora-dtype", choices=sorted(DTYPE_BYTES), default=None, help="adapter dtype (default: --dtype)"
+        "--lora-dtype",
+        choices=sorted(DTYPE_BYTES),
+        default="fp32",
+        help="adapter dtype (default fp32: PEFT casts adapters to fp32 unless autocast_adapter_dtype=False)",
     )
     estimate.add_argument("--keep-last-layers", type=_int_at_least(0, "keep-last-layers"), default=1)
+    estimate.add_argument("--prefetch-layers", type=_int_at_least(0, "prefetch-layers"), default=1)
     estimate.add_argument(
-        "--link-gbps", type=_positive_float("link-gbps"), default=25.0, help="host link GB/s per direction (25)"
+        "--fused-loss",
+        action="store_true",
+        help="a fused linear cross-entropy (such as Liger's) instead of transformers' loss, for the step peak",
     )
     estimate.add_argument(
-        "--tflops", type=_positive_float("tflops"), default=200.0, help="sustained TFLOP/s of the device (200)"
+        "--optimizer-states",
+        type=_int_at_least(0, "optimizer-states"),
+        default=2,
+        help="optimizer tensors per trainable parameter, in its dtype (default 2: AdamW; 0: no optimizer)",
+    )
+    estimate.add_argument(
+        "--device",
+        choices=sorted(DEVICES),
+        default=None,
+        help="device preset for the rates and memory (default: the h200 rates; see --list-devices)",
+    )
+    estimate.add_argument("--list-devices", action="store_true", help="print the device presets and exit")
+    estimate.add_argument(
+        "--device-memory",
+        type=_positive_float("device-memory"),
+        default=None,
+        metavar="GIB",
+        help="device memory in GiB: print the longest sequence that fits in each mode (default: --device's)",
+    )
+    estimate.add_argument(
+        "--link-gbps", type=_positive_float("link-gbps"), default=None, help="host link GB/s per direction"
+    )
+    estimate.add_argument(
+        "--tflops", type=_positive_float("tflops"), default=None, help="sustained dense bf16 matmul TFLOP/s"
+    )
+    estimate.add_argument(
+        "--efficiency",
+        type=_positive_float("efficiency"),
+        default=None,
+        help="fraction of the matmul rate a whole step reaches (default 0.54, fitted on the H200)",
     )
     estimate.set_defaults(run=_run_estimate, command_parser=estimate)
 
 
 def _run_estimate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from .estimate import DTYPE_BYTES, PRESETS, Shape, estimate, format_estimate
+    from .estimate import (
+        DEVICES,
+        DTYPE_BYTES,
+        MODES,
+        PRESETS,
+        STEP_EFFICIENCY,
+        Shape,
+        estimate,
+        fixed_bytes,
+        format_assumptions,
+        format_devices,
+        format_estimate,
+        format_max_seq_lens,
+        format_step_peaks,
+        max_seq_len,
+        step_peak,
+        step_time,
+    )
 
+    if args.list_devices:
+        print(format_devices())
+        return 0
+    if args.efficiency is not None and args.efficiency > 1:
+        parser.error(f"argument --efficiency: must be a fraction in (0, 1], got {args.efficiency}")
     try:
         shape = Shape.from_path(args.model) if args.model else PRESETS[args.preset]
     except (OSError, ValueError, KeyError, TypeError) as error:
         parser.error(f"argument --model: cannot read a decoder-only config from {str(args.model)!r}: {error}")
+    device = DEVICES[args.device or "h200"]
+    tflops = args.tflops or device.tflops
+    link_gbps = args.link_gbps or device.link_gbps
+    efficiency = args.efficiency or STEP_EFFICIENCY
+    dtype_bytes = DTYPE_BYTES[args.dtype]
+    lora = {}
+    if args.lora_rank is not None:
+        lora = {"lora_rank": args.lora_rank, "lora_dtype_bytes": DTYPE_BYTES[args.lora_dtype]}
     result = estimate(
         shape,
         seq_len=args.seq_len,
         batch_size=args.batch_size,
-        dtype_bytes=DTYPE_BYTES[args.dtype],
+        dtype_bytes=dtype_bytes,
         checkpointing=args.checkpointing,
-        lora_rank=args.lora_rank,
-        lora_dtype_bytes=DTYPE_BYTES[args.lora_dtype] if args.lora_dtype else None,
         keep_last_layers=args.keep_last_layers,
-        link_gbps=args.link_gbps,
-        tflops=args.tflops,
+        link_gbps=link_gbps,
+        tflops=tflops,
+        efficiency=efficiency,
+        **lora,
     )
-    print(format_estimate(result, link_gbps=args.link_gbps, tflops=args.tflops))
+    print(format_estimate(result, link_gbps=link_gbps, tflops=tflops))
+
+    print(
+        format_assumptions(
+            device,
+            default=args.device is None,
+            tflops=args.tflops,
+            link_gbps=args.link_gbps,
+            efficiency=args.efficiency,
+        )
+    )
+    timing = step_time(
+        shape,
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
+        checkpointing=args.checkpointing,
+        dtype_bytes=dtype_bytes,
+        tflops=tflops,
+        efficiency=efficiency,
+        memory_tbps=device.memory_tbps,
+        **lora,
+    )
+    adapters = (
+        f" + {timing.lora_seconds:.2f} s of LoRA adapter casts at {device.memory_tbps:g} TB/s"
+        if timing.lora_seconds
+        else ""
+    )
+    print(
+        f"step compute: {timing.seconds:.2f} s ({timing.flops.total / 1e12:.0f} TFLOP at "
+        f"{timing.effective_tflops:.0f} TFLOP/s = {tflops:g} x {efficiency:g}{adapters}; offloading copies "
+        "not included)"
+    )
+
+    options = {
+        "dtype_bytes": dtype_bytes,
+        "keep_last_layers": args.keep_last_layers,
+        "prefetch_layers": args.prefetch_layers,
+        "optimizer_states": args.optimizer_states,
+        **lora,
+    }
+    fixed = fixed_bytes(shape, dtype_bytes=dtype_bytes, optimizer_states=args.optimizer_states, **lora)
+    loss = "fused loss" if args.fused_loss else "standard loss (--fused-loss for a fused linear cross-entropy)"
+    print(f"\nwhole step at {result.tokens} tokens, {loss}, predicted:")
+    peaks = [
+        step_peak(
+            shape, seq_len=args.seq_len, batch_size=args.batch_size, mode=mode, fused_loss=args.fused_loss, **options
+        )
+        for mode in MODES
+    ]
+    print(format_step_peaks(peaks, fixed))
+
+    memory_gib = args.device_memory or (device.memory_gib if args.device else None)
+    if memory_gib is not None:
+        memory = memory_gib * 2**30
+        lengths = {
+            mode: tuple(
+                max_seq_len(int(memory), shape, mode=mode, batch_size=args.batch_size, fused_loss=fused, **options)
+                for fused in (False, True)
+            )
+            for mode in MODES
+        }
+        print()
+        print(format_max_seq_lens(lengths, memory_bytes=memory, fixed=fixed, batch_size=args.batch_size))
     return 0
 
 
