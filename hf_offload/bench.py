@@ -276,14 +276,16 @@ def _measure(
     warmup: bool = True,
 ) -> Record:
     """One mode at one length: a warm-up step, then `steps` timed ones (the fastest is kept).
-    `accounting` adds the byte accounting (always on for the CPU, where it is the memory figure;
-    for an hf_offload mode it costs one more step, without hf_offload, which on a GPU can run out of
-    memory where the mode itself fits). `memory_limit` on the CPU turns resident activation bytes
-    above it into a simulated out-of-memory (on CUDA the allocator enforces the limit itself)."""
+    `accounting` adds the byte accounting (the CPU's memory figure; for an hf_offload mode it costs
+    one more step, without hf_offload, which on a GPU can run out of memory where the mode itself
+    fits). `warmup=False` times the first step (one step in all, without accounting).
+    `memory_limit` on the CPU turns resident activation bytes above it into a simulated
+    out-of-memory (on CUDA the allocator enforces the limit itself)."""
     forward_context = _configure(model, mode, device, min_offload_bytes)
     vocab = model.config.get_text_config().vocab_size
     ids = torch.randint(vocab, (batch_size, seq_len), generator=torch.Generator().manual_seed(seq_len)).to(device)
-    accounting = accounting or device.type == "cpu"
+    if memory_limit is not None and device.type == "cpu" and not accounting:
+        raise ValueError("a memory limit on the CPU is applied to the byte accounting: accounting=True is needed")
 
     def step(counter: _SavedBytes | None = None) -> None:
         hooks = (
@@ -307,11 +309,11 @@ def _measure(
             forward_context = _configure(model, mode, device, min_offload_bytes)
         if warmup or accounting:
             step()
-        stats = hf_offload.activation_offloading_stats(model)
+            stats = hf_offload.activation_offloading_stats(model)
+            offloaded, host = stats.offloaded_bytes, stats.pool_bytes
         if accounting:
             held = max(stats.peak_forward_held_bytes, stats.peak_backward_held_bytes)
             resident = counter.total - stats.offloaded_bytes + held
-        offloaded, host = stats.offloaded_bytes, stats.pool_bytes
     elif accounting:
         counter = _SavedBytes(model)
         step(counter)  # warm-up, and the byte accounting
@@ -555,10 +557,19 @@ def slope_max_seq(
         return result
     if result.offloaded_bytes_per_token is not None:
         result.predicted_offloaded_bytes = moved_fixed + result.offloaded_bytes_per_token * result.predicted_max_seq_len
+        shares = [r.offloaded_bytes / r.seq_len for r in result.probes]
+        if max(shares) - min(shares) > 0.05 * max(shares):
+            # Tensors under min_offload_bytes at the shorter length stay on the device, so what stays
+            # there does not grow like at longer lengths: the line is not the mode's line.
+            result.status = (
+                "unreliable: hf_offload moved a different share of the bytes at the two lengths "
+                "(tensors under min_offload_bytes?); use longer --slope-lens"
+            )
     if verify:
         result.verify = measure(result.predicted_max_seq_len, verifying=True)
         if result.verify.status != "ok":
-            result.status = "predicted length did not fit" if result.verify.status == "oom" else result.verify.status
+            did_not_fit = "predicted length did not fit" if result.verify.status == "oom" else result.verify.status
+            result.status = did_not_fit if result.status == "ok" else f"{result.status}; {did_not_fit}"
     return result
 
 
@@ -748,16 +759,16 @@ def plot_max_seq(results: list[MaxSeq], path: Path, *, device: torch.device, bud
     scale, unit = _unit(device)
     figure, axis = plt.subplots(figsize=(9, 5))
     for r in results:
-        ok = [p for p in [*r.probes, *([r.verify] if r.verify else [])] if p.status == "ok"]
-        ok.sort(key=lambda p: p.seq_len)
+        probes = sorted([*r.probes, *([r.verify] if r.verify else [])], key=lambda p: p.seq_len)
+        ok = [p for p in probes if p.status == "ok"]
         (line,) = axis.plot([p.seq_len for p in ok], [_peak(p, device) / scale for p in ok], marker="o", label=r.mode)
         color = line.get_color()
         if r.method == "slope" and r.predicted_max_seq_len is not None:
             lengths = [r.probes[0].seq_len, r.predicted_max_seq_len]
             fitted = [(r.fixed_bytes + r.bytes_per_token * n) / scale for n in lengths]
             axis.plot(lengths, fitted, linestyle="--", color=color, alpha=0.6)
-        failed = r.first_oom if r.method == "search" else r.verify
-        if failed is not None and failed.status == "oom" and budget is not None:
+        failed = next((p for p in probes if p.status == "oom"), None)
+        if failed is not None and budget is not None:
             axis.plot([failed.seq_len], [budget / scale], marker="x", markersize=12, mew=2.5, color=color)
     if budget is not None:
         axis.axhline(budget / scale, color="grey", linestyle=":", label="memory budget")

@@ -163,6 +163,20 @@ def test_slope_method_measures_two_lengths_and_verifies_once():
     assert result.verify.status == "oom" and result.status == "predicted length did not fit"
 
 
+def test_slope_method_says_when_hf_offload_moved_nothing_at_the_short_length():
+    # At the shorter length every tensor was under min_offload_bytes and stayed: the two points are
+    # not on the line the mode follows at long lengths.
+    def measure(length, verifying=False):
+        moved = 0 if length < 1000 else 8 * length
+        return Record("m", length, "ok", peak_device_bytes=100 * length - 5 * moved, offloaded_bytes=moved)
+
+    result = slope_max_seq(
+        measure, lengths=(512, 1024), budget=10**6, granularity=64, peak=lambda r: r.peak_device_bytes
+    )
+    assert result.status.startswith("unreliable: hf_offload moved a different share of the bytes")
+    assert result.predicted_max_seq_len is not None
+
+
 def test_slope_method_stops_when_a_short_length_fails():
     result = slope_max_seq(
         lambda length, verifying=False: Record("m", length, "failed: RuntimeError: 0 active drivers"),
@@ -229,6 +243,21 @@ def test_a_probe_that_runs_out_of_memory_mid_forward_leaves_the_model_usable():
     _, expected = train_step(reference, ids)
     _, actual = train_step(model, ids)
     assert_bit_identical(expected, actual)
+
+
+def test_a_verification_step_is_one_step_and_still_reports_what_was_offloaded():
+    model = tiny_model()
+    forwards = []
+    model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    mode = "checkpointing+hf_offload"
+    # As on CUDA: no byte accounting, no warm-up.
+    record = bench._measure(model, mode, 24, 1, 1, CPU, 0, accounting=False, warmup=False)
+    assert len(forwards) == 1
+    assert record.status == "ok" and record.resident_activation_bytes is None
+    assert record.offloaded_bytes == bench._measure(model, mode, 24, 1, 1, CPU, 0).offloaded_bytes > 0
+    with pytest.raises(ValueError, match="accounting=True is needed"):
+        bench._measure(model, mode, 24, 1, 1, CPU, 0, accounting=False, memory_limit=2**20)
+    bench._configure(model, "none", CPU)
 
 
 # -- Liger's fused linear cross-entropy ----------------------------------------------------------
