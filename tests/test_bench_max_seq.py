@@ -263,13 +263,14 @@ def test_a_verification_step_is_one_step_and_still_reports_what_was_offloaded():
 # -- Liger's fused linear cross-entropy ----------------------------------------------------------
 
 
-def test_liger_flce_is_an_instance_forward_and_comes_off_again():
-    model = tiny_model()
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_liger_flce_is_an_instance_forward_and_comes_off_again(family):
+    model = tiny_model(family)
     class_forward = type(model).forward
     bench.set_liger_flce(model, True)
     assert bench.is_liger_flce(model) and "forward" in model.__dict__
     assert type(model).forward is class_forward, "Liger must patch the instance, never the class"
-    assert model.forward.__func__.__module__ == "liger_kernel.transformers.model.llama"
+    assert model.forward.__func__.__module__ == f"liger_kernel.transformers.model.{family}"
     bench.set_liger_flce(model, False)
     assert not bench.is_liger_flce(model) and "forward" not in model.__dict__
     # Nothing else of Liger's was applied: the layers keep transformers' own modules.
