@@ -252,7 +252,7 @@ def _add_bench_command(commands: argparse._SubParsersAction) -> None:
         nargs=2,
         default=None,
         metavar=("A", "B"),
-        help="slope: the two lengths measured (default 4096 8192 on CUDA, 256 512 on CPU)",
+        help="slope: the two lengths measured (default 4096 8192 on CUDA, 1024 2048 on CPU)",
     )
     search.add_argument(
         "--verify", action="store_true", help="slope: run one step at the predicted length and say whether it fit"
@@ -292,7 +292,7 @@ def _run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     args.granularity = args.granularity or 1024
     args.start = args.start or (4096 if cuda else 256)
     args.seq_limit = args.seq_limit or (1 << 20 if cuda else 16384)
-    args.slope_lens = args.slope_lens or ([4096, 8192] if cuda else [256, 512])
+    args.slope_lens = args.slope_lens or ([4096, 8192] if cuda else [1024, 2048])
     if args.method == "search":
         if args.verify:
             parser.error("argument --verify: only with --method slope (the search measures every length it reports)")
