@@ -292,39 +292,155 @@ def _run_estimate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
 
 
 def _add_bench_command(commands: argparse._SubParsersAction) -> None:
-    from .bench import MODES, PRESET_CONFIGS
+    from .bench import ALL_MODES, MODES, PRESET_CONFIGS
 
     bench = commands.add_parser(
         "bench",
-        help="sweep sequence lengths under each memory-saving mode: memory, speed, JSON, table and plot",
+        help="sweep sequence lengths under each memory-saving mode, or find each mode's longest sequence",
         description=(
             "Measure peak memory (on CUDA; byte accounting on the CPU), step time and tokens/s over sequence "
             "lengths for: no offloading, hf_offload, checkpointing, checkpointing + hf_offload, transformers' "
-            "offload=True and TRL's offloading (when trl is installed). A mode stops at its first out-of-memory."
+            "offload=True and TRL's offloading (when trl is installed); each also with Liger's fused linear "
+            "cross-entropy (MODE+liger, or --liger for all). A mode stops at its first out-of-memory. With "
+            "--find-max-seq, find each mode's longest sequence at batch 1 instead: by search (double, then bisect "
+            "to --granularity) or, much faster for large models, predicted from the peaks at two short lengths "
+            "(--method slope)."
         ),
     )
-    bench.add_argument("--preset", choices=sorted(PRESET_CONFIGS), default=None, help="tiny on CPU, 1b on CUDA")
+    bench.add_argument(
+        "--preset",
+        choices=list(PRESET_CONFIGS),
+        default=None,
+        help="a built-in shape (default tiny on CPU, 1b on CUDA)",
+    )
     bench.add_argument("--model", type=_local_model_dir, metavar="PATH", help="local model directory or config")
-    bench.add_argument("--seq-lens", type=_int_at_least(2, "seq-lens"), nargs="+", default=[256, 512, 1024, 2048])
+    bench.add_argument(
+        "--seq-lens",
+        type=_int_at_least(2, "seq-lens"),
+        nargs="+",
+        default=None,
+        help="sweep lengths (default 256 512 1024 2048)",
+    )
     bench.add_argument("--batch-size", type=_int_at_least(1, "batch-size"), default=1)
-    bench.add_argument("--steps", type=_int_at_least(1, "steps"), default=3, help="timed steps after a warm-up")
-    bench.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    bench.add_argument(
+        "--steps",
+        type=_int_at_least(1, "steps"),
+        default=None,
+        help="timed steps after a warm-up (default 3; 1 with --find-max-seq)",
+    )
+    bench.add_argument("--modes", nargs="+", choices=ALL_MODES, default=list(MODES), metavar="MODE",
+                       help=f"default: all without Liger; choices: {', '.join(ALL_MODES)}")  # fmt: skip
+    bench.add_argument(
+        "--liger",
+        action="store_true",
+        help="run each mode also with Liger's fused linear cross-entropy, as MODE+liger (needs liger-kernel and CUDA)",
+    )
     bench.add_argument("--dtype", choices=["fp32", "bf16"], default=None, help="bf16 on CUDA, fp32 on CPU")
     bench.add_argument("--lora-rank", type=_int_at_least(1, "lora-rank"), default=None, help="LoRA on all linears")
     bench.add_argument("--device", type=_available_device, default=_default_device())
     bench.add_argument(
         "--min-offload-bytes", type=_int_at_least(0, "min-offload-bytes"), default=None, help="hf_offload's option"
     )
-    bench.add_argument("--out", default="bench_out", help="directory for bench.json, bench.md, bench.png")
+    bench.add_argument(
+        "--memory-limit",
+        type=_positive_float("memory-limit"),
+        default=None,
+        metavar="GiB",
+        help=(
+            "on CUDA: cap this process's allocator at this many GiB (as on a smaller GPU); on the CPU: count a step "
+            "whose resident activation bytes (byte accounting) exceed it as out of memory"
+        ),
+    )
+    search = bench.add_argument_group("--find-max-seq")
+    search.add_argument(
+        "--find-max-seq", action="store_true", help="find each mode's longest sequence (batch 1) instead of a sweep"
+    )
+    search.add_argument(
+        "--method",
+        choices=["search", "slope"],
+        default=None,
+        help="search: measure (default); slope: predict from two lengths, see --slope-lens and --verify",
+    )
+    search.add_argument(
+        "--start", type=_int_at_least(2, "start"), default=None, help="first length searched (4096 on CUDA, 256 on CPU)"
+    )
+    search.add_argument(
+        "--granularity",
+        type=_int_at_least(1, "granularity"),
+        default=None,
+        help="the answer is exact to this many tokens (default 1024)",
+    )
+    search.add_argument(
+        "--seq-limit",
+        type=_int_at_least(2, "seq-limit"),
+        default=None,
+        help="longest length searched (default 1048576 on CUDA, 16384 on CPU)",
+    )
+    search.add_argument(
+        "--slope-lens",
+        type=_int_at_least(2, "slope-lens"),
+        nargs=2,
+        default=None,
+        metavar=("A", "B"),
+        help="slope: the two lengths measured (default 4096 8192 on CUDA, 1024 2048 on CPU)",
+    )
+    search.add_argument(
+        "--verify", action="store_true", help="slope: run one step at the predicted length and say whether it fit"
+    )
+    bench.add_argument("--out", default="bench_out", help="directory for the JSON, markdown and plot")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.set_defaults(run=_run_bench, command_parser=bench)
 
 
 def _run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from .bench import run_bench
+    from .bench import LIGER, run_bench
 
+    cuda = args.device.type == "cuda"
     if args.dtype is None:
-        args.dtype = "bf16" if args.device.type == "cuda" else "fp32"
+        args.dtype = "bf16" if cuda else "fp32"
+    if args.liger:
+        args.modes = [*args.modes, *(mode + LIGER for mode in args.modes if not mode.endswith(LIGER))]
+    args.modes = list(dict.fromkeys(args.modes))
+    search_options = ("method", "start", "granularity", "seq_limit", "slope_lens")
+    if not args.find_max_seq:
+        given = [name for name in search_options if getattr(args, name) is not None] + (
+            ["verify"] if args.verify else []
+        )
+        if given:
+            parser.error(f"argument --{given[0].replace('_', '-')}: only with --find-max-seq")
+        args.seq_lens = args.seq_lens or [256, 512, 1024, 2048]
+        args.steps = args.steps or 3
+        return run_bench(args)
+    if args.seq_lens is not None:
+        parser.error(
+            "argument --seq-lens: not with --find-max-seq, which chooses its lengths (see --start, --slope-lens)"
+        )
+    if args.batch_size != 1:
+        parser.error(f"argument --batch-size: --find-max-seq measures batch 1, got {args.batch_size}")
+    args.method = args.method or "search"
+    args.steps = args.steps or 1
+    args.granularity = args.granularity or 1024
+    args.start = args.start or (4096 if cuda else 256)
+    args.seq_limit = args.seq_limit or (1 << 20 if cuda else 16384)
+    args.slope_lens = args.slope_lens or ([4096, 8192] if cuda else [1024, 2048])
+    if args.method == "search":
+        if args.verify:
+            parser.error("argument --verify: only with --method slope (the search measures every length it reports)")
+        if args.seq_limit < args.start:
+            parser.error(f"argument --seq-limit: {args.seq_limit} is below --start {args.start}")
+    else:
+        a, b = args.slope_lens
+        if not a < b:
+            parser.error(f"argument --slope-lens: the second length must be longer than the first, got {a} {b}")
+        if not cuda and args.memory_limit is None:
+            parser.error(
+                "argument --method: the slope method on the CPU needs --memory-limit (there is no device memory "
+                "to predict against)"
+            )
+    if cuda and args.memory_limit is not None:
+        total = torch.cuda.get_device_properties(args.device).total_memory / 2**30
+        if args.memory_limit > total:
+            parser.error(f"argument --memory-limit: {args.memory_limit} GiB is more than this device's {total:.2f} GiB")
     return run_bench(args)
 
 

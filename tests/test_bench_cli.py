@@ -143,3 +143,88 @@ def test_checkpointing_on_transformers_without_activation_checkpointing_api():
     # offload=True does not exist there: the sweep records the mode as skipped, with the reason.
     with pytest.raises(ImportError, match=r"has no activation_checkpointing_enable\(offload=True\)"):
         bench.set_checkpointing(model, True, offload=True)
+
+
+# -- TRL's offloading as the bench runs it, with a PEFT model -------------------------------------
+
+
+def micro_peft_model():
+    """Small enough that every tensor autograd saves at 4 tokens is under TRL's 1 KiB offloading
+    threshold: TRL keeps them all in place, and never asks for pinned memory, which a CPU-only
+    machine cannot give."""
+    from conftest import tiny_model
+    from peft import LoraConfig, get_peft_model
+
+    model = tiny_model(hidden_size=8, intermediate_size=16, num_attention_heads=2, num_key_value_heads=1, head_dim=4,
+                       vocab_size=32)  # fmt: skip
+    return get_peft_model(model, LoraConfig(r=2, target_modules="all-linear"))
+
+
+@pytest.fixture
+def trl_reaches_its_logging_on_a_cpu(monkeypatch):
+    """TRL 1.16's offloading logs through accelerate's logger in two places only: when it finds no
+    output head (not the case with a PEFT model: PEFT's LoraModel forwards `lm_head`), and at the
+    first unpack of the first backward when more than 60% of the host's RAM is in use
+    (`verify_sufficient_virtual_memory`). The second is what failed on the H200, after earlier modes
+    had left tens of GB pinned. On a CPU-only machine TRL fails before that for reasons of its own:
+    `torch.accelerator.current_accelerator()` is None there, and `torch.cpu.Stream` has no
+    `synchronize`. Those two are patched to what an accelerator provides (the CPU is the device,
+    with nothing to wait for), RAM use is reported as 99% so that the logging path runs on any
+    machine, and accelerate's process-wide state is emptied for the test (and restored after), so
+    that what an earlier test created cannot make this one pass."""
+    import collections
+
+    import psutil
+    from accelerate import PartialState
+
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *args, **kwargs: torch.device("cpu"))
+    monkeypatch.setattr(torch.cpu.Stream, "synchronize", lambda self: None, raising=False)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: collections.namedtuple("Memory", "percent")(99.0))
+    monkeypatch.setattr(PartialState, "_shared_state", {})
+    return PartialState
+
+
+def trl_step(model) -> bench.Record:
+    (record,) = bench.sweep(
+        model, modes=["trl_offload"], seq_lens=[4], batch_size=1, steps=1, device=torch.device("cpu"), progress=False
+    )
+    return record
+
+
+def test_trl_offloading_of_a_peft_model_gets_the_accelerate_state_it_logs_through(
+    trl_reaches_its_logging_on_a_cpu, caplog
+):
+    record = trl_step(micro_peft_model())
+    assert record.status == "ok"
+    assert "of virtual memory used" in caplog.text, "TRL's logging path was not reached"
+    assert trl_reaches_its_logging_on_a_cpu._shared_state, "the bench did not create accelerate's state"
+
+
+def test_without_the_accelerate_state_trl_offloading_fails_as_on_the_h200(
+    trl_reaches_its_logging_on_a_cpu, monkeypatch
+):
+    # Companion: the same step with the bench's setup removed fails with the error seen on the H200.
+    monkeypatch.setattr(bench, "_accelerate_state", lambda: None)
+    record = trl_step(micro_peft_model())
+    assert record.status.startswith("failed: RuntimeError: You must initialize the accelerate state")
+
+
+@pytest.mark.skipif(torch.accelerator.is_available(), reason="what happens on a CPU-only machine")
+def test_on_a_cpu_only_machine_trl_offloading_fails_for_want_of_an_accelerator(monkeypatch):
+    from accelerate import PartialState
+
+    monkeypatch.setattr(PartialState, "_shared_state", {})  # process-wide: not left to later tests
+    record = trl_step(micro_peft_model())
+    assert record.status == "failed: AttributeError: 'NoneType' object has no attribute 'type'"
+    assert PartialState._shared_state, "the state is created before TRL is called"
+
+
+def test_trl_hooks_come_off_when_the_mode_changes(trl_reaches_its_logging_on_a_cpu):
+    model = micro_peft_model()
+    head = model.get_base_model().lm_head
+    bench._configure(model, "trl_offload", torch.device("cpu"))
+    # TRL puts a no-op saved-tensor context around the head; left there, it would hide the head's
+    # saved tensors from the byte accounting of every later mode.
+    assert len(head._forward_pre_hooks) == 1 and len(head._forward_hooks) == 1
+    bench._configure(model, "none", torch.device("cpu"))
+    assert not head._forward_pre_hooks and not head._forward_hooks and not head._forward_hooks_always_called
