@@ -1,8 +1,10 @@
 """Train a model twice, without and with activation offloading, and show that nothing changed.
 
-The two runs start from the same weights and see the same batches, so any difference in the
-losses (or final weights) would be the offloader's fault: a correct offloader hands autograd
-back exactly the bytes it took, and the results are bit-identical.
+The two runs start from the same weights and see the same batches, so on kernels that repeat
+bit for bit any difference in the losses (or final weights) would be the offloader's fault: a
+correct offloader hands autograd back exactly the bytes it took, and the results are
+bit-identical. CPU kernels repeat; on an accelerator `hf_offload.determinism` makes them repeat
+where PyTorch can, and the verdict says "cannot tell" where it could not.
 """
 
 from __future__ import annotations

@@ -133,17 +133,24 @@ class DeterministicKernels:
         self._prepared = True
         models = [module for module in model.modules() if isinstance(module, PreTrainedModel)]
         if not models:
-            self._problems.append(f"{type(model).__name__} holds no transformers model to switch to eager attention")
+            self._add_problem(f"{type(model).__name__} holds no transformers model to switch to eager attention")
             return model
         for module in models:
             if _attention_of(module) != "eager":
-                module.set_attn_implementation("eager")
+                try:
+                    module.set_attn_implementation("eager")
+                except (ValueError, ImportError) as error:  # checked below, like a refusal
+                    self._add_problem(f"{type(module).__name__} refused eager attention: {error}")
         checked = set()  # a causal LM and its inner model share one config: one line for both
         for module in models:
             if id(module.config) not in checked and (attention := _attention_of(module)) != "eager":
-                self._problems.append(f"attention in {type(module).__name__} is still {attention}, not eager")
+                self._add_problem(f"attention in {type(module).__name__} is still {attention}, not eager")
             checked.add(id(module.config))
         return model
+
+    def _add_problem(self, reason: str) -> None:
+        if reason not in self._problems:  # the examples prepare one model per run
+            self._problems.append(reason)
 
     def __enter__(self) -> DeterministicKernels:
         if not self.needed:
