@@ -220,11 +220,24 @@ def test_attention_that_stays_fused_is_a_reason(monkeypatch):
     model = tiny_model("llama")
     kernels = DeterministicKernels("cpu", needed=True)
     kernels.prepare(model)
+    kernels.prepare(tiny_model("llama"))  # the examples prepare one model per run: one line still
     with kernels:
         pass
     assert model.config._attn_implementation == "sdpa"
     assert kernels.reasons == ("attention in LlamaForCausalLM is still sdpa, not eager",)
     assert kernels.verdict(False).word == "cannot tell"
+
+
+def test_attention_switch_that_raises_is_a_reason(monkeypatch):
+    def refuse(self, implementation, **options):
+        raise ValueError(f"{implementation} is not supported here")
+
+    monkeypatch.setattr(PreTrainedModel, "set_attn_implementation", refuse)
+    kernels = DeterministicKernels("cpu", needed=True)
+    kernels.prepare(tiny_model("llama"))
+    reasons = kernels.verdict(False).reasons
+    assert reasons[0] == "LlamaForCausalLM refused eager attention: eager is not supported here"
+    assert "attention in LlamaForCausalLM is still sdpa, not eager" in reasons
 
 
 def test_a_model_without_transformers_attention_is_a_reason():
