@@ -6,13 +6,20 @@
     accelerate launch --multi_gpu --num_processes 2 examples/accelerate_loop.py --cpu   # 2 CPU processes
 
 `--compare` runs the same loop again without offloading and says whether the losses and the
-final weights are bit-identical. Without an accelerator the engine runs with
-`simulate_on_cpu=True`, which exercises it fully but saves no memory.
+final weights are bit-identical; `--control` also runs it a second time without offloading, to
+prove that the kernels repeat. Bit-identical results need kernels that repeat bit for bit: on the
+CPU they do; on an accelerator both runs use eager attention,
+`torch.use_deterministic_algorithms(True, warn_only=True)` and (CUDA) `CUBLAS_WORKSPACE_CONFIG=:4096:8`.
+If an op without a deterministic implementation runs anyway (on any process), a difference gets
+"cannot tell", not "NO". Exit status: 0 identical (or no --compare), 1 different, 3 cannot tell.
+Without an accelerator the engine runs with `simulate_on_cpu=True`, which exercises it fully but
+saves no memory.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 
 import torch
@@ -20,6 +27,7 @@ from accelerate import Accelerator
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import hf_offload  # noqa: F401  (adds enable_activation_offloading to every model)
+from hf_offload.determinism import DeterministicKernels, Verdict
 
 
 def load_model(args: argparse.Namespace) -> torch.nn.Module:
@@ -72,7 +80,7 @@ def train(accelerator: Accelerator, model: torch.nn.Module, args: argparse.Names
     return losses, weights, unwrapped
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", help="local model directory (default: a tiny random Llama)")
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps")
@@ -81,26 +89,61 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--cpu", action="store_true", help="train on the CPU even if an accelerator is present")
     parser.add_argument("--compare", action="store_true", help="run again without offloading and compare")
+    parser.add_argument(
+        "--control", action="store_true", help="--compare, and run twice without offloading: proves the kernels repeat"
+    )
     args = parser.parse_args()
+    compare = args.compare or args.control
 
     cpu = args.cpu or not torch.accelerator.is_available()
+    # Before any CUDA work (the Accelerator starts it): PyTorch reads CUBLAS_WORKSPACE_CONFIG at its
+    # first cuBLAS call.
+    kernels = DeterministicKernels("cpu" if cpu else None) if compare else None
     accelerator = Accelerator(cpu=cpu, gradient_accumulation_steps=args.grad_accum)
     accelerator.print(f"processes: {accelerator.num_processes}, device: {accelerator.device.type}")
     model = load_model(args)
-    reference = copy.deepcopy(model) if args.compare else None
+    if kernels is not None:
+        kernels.prepare(model)  # eager attention on an accelerator; nothing on the CPU
+        accelerator.print(kernels.describe())
+    references = [copy.deepcopy(model) for _ in range(1 + args.control if compare else 0)]
 
-    losses, weights, unwrapped = train(accelerator, model, args, offload=True)
-    stats = unwrapped.activation_offloading_stats()
-    accelerator.print(stats.summary())
-    if reference is not None:
-        plain_losses, plain_weights, _ = train(accelerator, reference, args, offload=False)
-        same_losses = all(torch.equal(a, b) for a, b in zip(plain_losses, losses, strict=True))
-        same_weights = all(torch.equal(plain_weights[name], weights[name]) for name in plain_weights)
-        flags = torch.tensor([same_losses, same_weights], dtype=torch.int64, device=accelerator.device)
-        flags = accelerator.reduce(flags, reduction="sum")  # every process must agree
-        yes = lambda flag: "yes" if int(flag) == accelerator.num_processes else "no"  # noqa: E731
-        accelerator.print(f"bit-identical: losses {yes(flags[0])}, final weights {yes(flags[1])}")
+    with kernels or contextlib.nullcontext():
+        losses, weights, unwrapped = train(accelerator, model, args, offload=True)
+        stats = unwrapped.activation_offloading_stats()
+        accelerator.print(stats.summary())
+        if not compare:
+            return 0
+        plain_losses, plain_weights, _ = train(accelerator, references[0], args, offload=False)
+        if args.control:
+            again_losses, again_weights, _ = train(accelerator, references[1], args, offload=False)
+    control_identical = None
+    if args.control:
+        control_identical = same(plain_losses, again_losses) and same(plain_weights.values(), again_weights.values())
+        kernels.note_control(control_identical)
+    flags = [
+        same(plain_losses, losses),
+        same(plain_weights.values(), (weights[name] for name in plain_weights)),
+        not kernels.reasons,  # this process's kernels repeat (its control included)
+        control_identical is not False,
+    ]
+    # Every process must agree: its own runs identical, its own kernels deterministic.
+    counts = accelerator.reduce(torch.tensor(flags, dtype=torch.int64, device=accelerator.device), reduction="sum")
+    same_losses, same_weights, deterministic, control_everywhere = (
+        int(count) == accelerator.num_processes for count in counts
+    )
+    reasons = kernels.reasons or (() if deterministic else ("kernels not deterministic on another process",))
+    if args.control:
+        accelerator.print(f"control, two runs without offloading: {'identical' if control_everywhere else 'DIFFER'}")
+    verdict = Verdict(same_losses and same_weights, reasons)
+    words = [Verdict(flag, reasons).word for flag in (same_losses, same_weights)]
+    line = f"bit-identical: losses {words[0]}, final weights {words[1]}"
+    accelerator.print(f"{line} ({verdict.explanation})" if verdict.explanation else line)
+    return verdict.exit_code
+
+
+def same(first, second) -> bool:
+    return all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

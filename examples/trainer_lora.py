@@ -3,6 +3,7 @@
     python examples/trainer_lora.py                  # tiny random Llama, no download
     python examples/trainer_lora.py --model PATH     # a local model directory (never downloads)
     python examples/trainer_lora.py --compare        # also train without offloading and compare
+    python examples/trainer_lora.py --control        # --compare, plus a second run without offloading
 
 Offloading is enabled on the model before `get_peft_model` (after works as well); Trainer needs
 nothing else. On a machine without an accelerator the run uses `simulate_on_cpu=True`, which runs
@@ -14,6 +15,7 @@ the model.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import tempfile
 
 import torch
@@ -21,6 +23,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
 import hf_offload  # noqa: F401  (adds enable_activation_offloading to every model)
+from hf_offload.determinism import DeterministicKernels
 
 
 class RandomTokens(torch.utils.data.Dataset):
@@ -46,9 +49,13 @@ def load_model(path: str | None, on_accelerator: bool) -> torch.nn.Module:
     return LlamaForCausalLM(config)
 
 
-def train(args: argparse.Namespace, offload: bool) -> tuple[list[float], torch.nn.Module]:
+def train(
+    args: argparse.Namespace, offload: bool, kernels: DeterministicKernels | None = None
+) -> tuple[list[float], torch.nn.Module]:
     on_accelerator = torch.accelerator.current_accelerator() is not None
     model = load_model(args.model, on_accelerator)
+    if kernels is not None:
+        kernels.prepare(model)  # eager attention on an accelerator; nothing on the CPU
     if offload:
         options = {"simulate_on_cpu": not on_accelerator}
         if args.min_offload_bytes is not None:
@@ -79,7 +86,7 @@ def train(args: argparse.Namespace, offload: bool) -> tuple[list[float], torch.n
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry], model
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", help="local model directory (default: a tiny random Llama)")
     parser.add_argument("--steps", type=int, default=5)
@@ -93,20 +100,42 @@ def main() -> None:
         "library default)",
     )
     parser.add_argument("--compare", action="store_true", help="also train without offloading and compare")
+    parser.add_argument(
+        "--control",
+        action="store_true",
+        help="--compare, and train twice without offloading: proves the kernels repeat",
+    )
     args = parser.parse_args()
+    compare = args.compare or args.control
+    # Before any CUDA work: PyTorch reads CUBLAS_WORKSPACE_CONFIG at its first cuBLAS call.
+    kernels = DeterministicKernels() if compare else None
+    if kernels is not None:
+        print(kernels.describe())
 
-    losses, model = train(args, offload=True)
-    print("losses with offloading:   ", [round(loss, 6) for loss in losses])
-    if args.compare:
-        expected_losses, expected_model = train(args, offload=False)
-        print("losses without offloading:", [round(loss, 6) for loss in expected_losses])
-        same_weights = all(
-            torch.equal(p, q) for p, q in zip(expected_model.parameters(), model.parameters(), strict=True)
-        )
-        verdict = "yes" if losses == expected_losses and same_weights else "NO"
-        print(f"identical to the run without offloading: {verdict} (losses and trained weights)")
+    exit_code = 0
+    with kernels or contextlib.nullcontext():
+        losses, model = train(args, offload=True, kernels=kernels)
+        print("losses with offloading:   ", [round(loss, 6) for loss in losses])
+        if compare:
+            expected = train(args, offload=False, kernels=kernels)
+            print("losses without offloading:", [round(loss, 6) for loss in expected[0]])
+            if args.control:
+                kernels.note_control(same_run(expected, train(args, offload=False, kernels=kernels)))
+                print(kernels.describe_control())
+            verdict = kernels.verdict(same_run((losses, model), expected))
+            print(f"identical to the run without offloading: {verdict.stated('losses and trained weights')}")
+            exit_code = verdict.exit_code
     print(model.activation_offloading_stats().summary())
+    return exit_code
+
+
+def same_run(first: tuple[list[float], torch.nn.Module], second: tuple[list[float], torch.nn.Module]) -> bool:
+    """Equal losses and bit-identical trained weights."""
+    (first_losses, first_model), (second_losses, second_model) = first, second
+    return first_losses == second_losses and all(
+        torch.equal(p, q) for p, q in zip(first_model.parameters(), second_model.parameters(), strict=True)
+    )
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

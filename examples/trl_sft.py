@@ -4,6 +4,7 @@
     python examples/trl_sft.py --model PATH      # a local model directory with its tokenizer (never downloads)
     python examples/trl_sft.py --lora            # LoRA through SFTTrainer(peft_config=...)
     python examples/trl_sft.py --compare         # also train without offloading and compare
+    python examples/trl_sft.py --control         # --compare, plus a second run without offloading
 
 Offloading is enabled on the model before it is handed to SFTTrainer. Leave TRL's own
 `activation_offloading` off (its default): both would offload, TRL's only what hf_offload leaves.
@@ -11,11 +12,18 @@ SFTConfig turns gradient checkpointing on by default, which hf_offload combines 
 (only the checkpointed layers' inputs move); `--no-checkpointing` turns it off. On a machine
 without an accelerator the run uses `simulate_on_cpu=True`, which runs the real engine but saves
 no memory.
+
+`--compare` needs kernels that repeat bit for bit. On the CPU they do; on an accelerator both runs
+use eager attention, `torch.use_deterministic_algorithms(True, warn_only=True)` and (CUDA)
+`CUBLAS_WORKSPACE_CONFIG=:4096:8`. If an op without a deterministic implementation runs anyway, a
+difference gets "cannot tell", not "NO". Exit status: 0 identical (or no --compare), 1 different,
+3 cannot tell.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import tempfile
 
 import torch
@@ -26,6 +34,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 from trl import SFTConfig, SFTTrainer
 
 import hf_offload  # noqa: F401  (adds enable_activation_offloading to every model)
+from hf_offload.determinism import DeterministicKernels
 
 WORDS = (  # noqa: SIM905
     "the a one cat dog bird fox sat ran flew jumped slept on under over near "
@@ -74,9 +83,11 @@ def load(path: str | None, on_accelerator: bool):
     return LlamaForCausalLM(config), tokenizer
 
 
-def train(args: argparse.Namespace, offload: bool):
+def train(args: argparse.Namespace, offload: bool, kernels: DeterministicKernels | None = None):
     on_accelerator = torch.accelerator.current_accelerator() is not None
     model, tokenizer = load(args.model, on_accelerator)
+    if kernels is not None:
+        kernels.prepare(model)  # eager attention on an accelerator; nothing on the CPU
     if offload:
         # Under CPU simulation nothing is saved anyway: let tensors of every size through, so that
         # the tiny model shows the engine at work.
@@ -110,7 +121,7 @@ def train(args: argparse.Namespace, offload: bool):
     return losses, trainer.model
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", help="local model directory (default: a tiny random Llama)")
     parser.add_argument("--steps", type=int, default=5)
@@ -119,20 +130,42 @@ def main() -> None:
     parser.add_argument("--lora", action="store_true", help="train a LoRA adapter on all linear layers")
     parser.add_argument("--no-checkpointing", action="store_true", help="SFTConfig(activation_checkpointing=False)")
     parser.add_argument("--compare", action="store_true", help="also train without offloading and compare")
+    parser.add_argument(
+        "--control",
+        action="store_true",
+        help="--compare, and train twice without offloading: proves the kernels repeat",
+    )
     args = parser.parse_args()
+    compare = args.compare or args.control
+    # Before any CUDA work: PyTorch reads CUBLAS_WORKSPACE_CONFIG at its first cuBLAS call.
+    kernels = DeterministicKernels() if compare else None
+    if kernels is not None:
+        print(kernels.describe())
 
-    losses, model = train(args, offload=True)
-    print("losses with offloading:   ", [round(loss, 6) for loss in losses])
-    if args.compare:
-        expected_losses, expected_model = train(args, offload=False)
-        print("losses without offloading:", [round(loss, 6) for loss in expected_losses])
-        same_weights = all(
-            torch.equal(p, q) for p, q in zip(expected_model.parameters(), model.parameters(), strict=True)
-        )
-        verdict = "yes" if losses == expected_losses and same_weights else "NO"
-        print(f"identical to the run without offloading: {verdict} (losses and trained weights)")
+    exit_code = 0
+    with kernels or contextlib.nullcontext():
+        losses, model = train(args, offload=True, kernels=kernels)
+        print("losses with offloading:   ", [round(loss, 6) for loss in losses])
+        if compare:
+            expected = train(args, offload=False, kernels=kernels)
+            print("losses without offloading:", [round(loss, 6) for loss in expected[0]])
+            if args.control:
+                kernels.note_control(same_run(expected, train(args, offload=False, kernels=kernels)))
+                print(kernels.describe_control())
+            verdict = kernels.verdict(same_run((losses, model), expected))
+            print(f"identical to the run without offloading: {verdict.stated('losses and trained weights')}")
+            exit_code = verdict.exit_code
     print(model.activation_offloading_stats().summary())
+    return exit_code
+
+
+def same_run(first: tuple[list[float], torch.nn.Module], second: tuple[list[float], torch.nn.Module]) -> bool:
+    """Equal losses and bit-identical trained weights."""
+    (first_losses, first_model), (second_losses, second_model) = first, second
+    return first_losses == second_losses and all(
+        torch.equal(p, q) for p, q in zip(first_model.parameters(), second_model.parameters(), strict=True)
+    )
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -40,7 +40,12 @@ def _add_demo_command(commands: argparse._SubParsersAction) -> None:
             "Train a model for a few steps without and then with activation offloading, from the same "
             "weights on the same random batches, and check that the losses are bit-identical. On a CPU the "
             "real engine runs in simulation and saves no memory; on CUDA the peak memory of both runs is shown. "
-            "Exits with 0 when both runs match, 1 when they do not."
+            "On an accelerator both runs use deterministic kernels (eager attention, "
+            "torch.use_deterministic_algorithms(True, warn_only=True), CUBLAS_WORKSPACE_CONFIG=:4096:8), without "
+            "which two runs differ even without offloading. Exits with 0 when both runs match, 1 when they "
+            "differ on deterministic kernels, 3 when they differ but the kernels were not deterministic (an op "
+            "without a deterministic implementation ran, or the --control runs differ): then the comparison "
+            "cannot tell whether offloading did it."
         ),
     )
     demo.add_argument("--steps", type=_int_at_least(1, "steps"), default=3, help="training steps per run (default 3)")
@@ -70,10 +75,19 @@ def _add_demo_command(commands: argparse._SubParsersAction) -> None:
     demo.add_argument(
         "--seed", type=_int_at_least(0, "seed"), default=0, help="seed for the weights and batches (default 0)"
     )
+    demo.add_argument(
+        "--control",
+        action="store_true",
+        help="also train twice without offloading: those two runs must match, or the kernels do not repeat",
+    )
     demo.set_defaults(run=_run_demo, command_parser=demo)
 
 
 def _run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from .determinism import DeterministicKernels
+
+    # First, before anything touches CUDA: PyTorch reads CUBLAS_WORKSPACE_CONFIG at its first cuBLAS call.
+    kernels = DeterministicKernels(args.device)
     if args.model is None:
         model = build_tiny_llama(args.seed)
     else:
@@ -96,6 +110,8 @@ def _run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         batch_size=args.batch_size,
         device=args.device,
         seed=args.seed,
+        control=args.control,
+        kernels=kernels,
     )
 
 

@@ -1,20 +1,22 @@
 """Train a model twice, without and with activation offloading, and show that nothing changed.
 
-The two runs start from the same weights and see the same batches, so any difference in the
-losses (or final weights) would be the offloader's fault: a correct offloader hands autograd
-back exactly the bytes it took, and the results are bit-identical.
+The two runs start from the same weights and see the same batches, so on kernels that repeat
+bit for bit any difference in the losses (or final weights) would be the offloader's fault: a
+correct offloader hands autograd back exactly the bytes it took, and the results are
+bit-identical. CPU kernels repeat; on an accelerator `hf_offload.determinism` makes them repeat
+where PyTorch can, and the verdict says "cannot tell" where it could not.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
+
+from .determinism import DeterministicKernels
 
 LEARNING_RATE = 1e-3
 
@@ -86,28 +88,6 @@ def train(model: PreTrainedModel, batches: list[torch.Tensor], *, device: torch.
     return result
 
 
-@contextlib.contextmanager
-def deterministic_kernels(device: torch.device) -> Iterator[None]:
-    """Make the accelerator's kernels reproducible, so that differences can only come from offloading.
-
-    Some CUDA kernels (cuBLAS with its default workspace, attention backward) accumulate in an
-    order that varies between runs; then even two runs without offloading would differ.
-    """
-    if device.type == "cpu":
-        yield
-        return
-    # Read by cuBLAS when its first handle is made, which is still ahead for a fresh process.
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    was_enabled = torch.are_deterministic_algorithms_enabled()
-    was_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-    # warn_only: an op without a deterministic version should explain a mismatch, not stop the demo.
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(was_enabled, warn_only=was_warn_only)
-
-
 def run_demo(
     model: PreTrainedModel,
     *,
@@ -116,10 +96,21 @@ def run_demo(
     batch_size: int = 2,
     device: str | torch.device = "cpu",
     seed: int = 0,
+    control: bool = False,
+    kernels: DeterministicKernels | None = None,
     echo: Callable[[str], object] = print,
 ) -> int:
-    """Train `model` for `steps` steps without and then with offloading; 0 if both runs match bit for bit."""
+    """Train `model` for `steps` steps without and then with offloading.
+
+    Returns 0 if both runs match bit for bit, 1 if they differ on deterministic kernels, 3 if they
+    differ and the kernels were not deterministic (then nobody can tell whether offloading did it).
+    On an accelerator `model` is switched to eager attention. `control` adds a second run without
+    offloading, which must match the first. Pass `kernels` made before any CUDA work in the
+    process; made here, it is too late if the caller has already used CUDA (and then says so).
+    """
     device = torch.device(device)
+    if kernels is None:
+        kernels = DeterministicKernels(device)
     model.to(device)
     batches = make_batches(
         steps=steps, batch_size=batch_size, seq_len=seq_len, vocab_size=model.config.vocab_size, seed=seed
@@ -135,10 +126,16 @@ def run_demo(
             "CPU simulation: the real offload engine runs (simulate_on_cpu=True), but its copies "
             "stay in host memory, so it saves no memory."
         )
+    kernels.prepare(model)
+    echo(kernels.describe())
 
     initial_weights = snapshot_weights(model)
-    with deterministic_kernels(device):
+    with kernels:
         plain = train(model, batches, device=device, seed=seed)
+        if control:
+            model.load_state_dict(initial_weights)
+            again = train(model, batches, device=device, seed=seed)
+            kernels.note_control(_same_run(plain, again))
         model.load_state_dict(initial_weights)
         model.enable_activation_offloading(simulate_on_cpu=simulate_on_cpu)
         try:
@@ -148,13 +145,18 @@ def run_demo(
             model.disable_activation_offloading()
 
     losses_identical = all(map(torch.equal, plain.losses, offloaded.losses))
-    weights_identical = all(
-        torch.equal(tensor, offloaded.final_weights[name]) for name, tensor in plain.final_weights.items()
-    )
+    weights_identical = _same_weights(plain, offloaded)
     echo(f"{'step':>4}  {'loss, plain':>14}  {'loss, offloaded':>15}")
     for step, (plain_loss, offloaded_loss) in enumerate(zip(plain.losses, offloaded.losses, strict=True), start=1):
         echo(f"{step:>4}  {plain_loss.item():>14.8f}  {offloaded_loss.item():>15.8f}")
-    echo(f"bit-identical: losses {_yes_no(losses_identical)}, final weights {_yes_no(weights_identical)}")
+    if (control_line := kernels.describe_control()) is not None:
+        echo(control_line)
+    verdict = kernels.verdict(losses_identical and weights_identical)
+    line = (
+        f"bit-identical: losses {kernels.verdict(losses_identical).word}, "
+        f"final weights {kernels.verdict(weights_identical).word}"
+    )
+    echo(f"{line} ({verdict.explanation})" if verdict.explanation else line)
     echo("offloading in the last step:")
     for line in stats.summary().splitlines():
         echo(f"  {line}")
@@ -164,11 +166,15 @@ def run_demo(
             f"peak {device.type} memory: plain {_gib(plain.peak_memory_bytes)}, "
             f"offloaded {_gib(offloaded.peak_memory_bytes)} ({ratio:.2f}x)"
         )
-    return 0 if losses_identical and weights_identical else 1
+    return verdict.exit_code
 
 
-def _yes_no(flag: bool) -> str:
-    return "yes" if flag else "NO"
+def _same_weights(first: RunResult, second: RunResult) -> bool:
+    return all(torch.equal(tensor, second.final_weights[name]) for name, tensor in first.final_weights.items())
+
+
+def _same_run(first: RunResult, second: RunResult) -> bool:
+    return all(map(torch.equal, first.losses, second.losses)) and _same_weights(first, second)
 
 
 def _gib(nbytes: int) -> str:
