@@ -452,24 +452,20 @@ def _missing_gradient_bytes(controller: _Controller) -> int:
 
 
 def _predicted_step_bytes(controller: _Controller, tokens: int) -> int:
-    """What `hf-offload estimate` predicts the loss head and one layer's full activations need."""
-    from .estimate import Shape, saved_bytes_per_token  # no transformers import there
+    """What `hf-offload estimate` predicts the loss head (fused or not) and one layer's full
+    activations need for `tokens` tokens."""
+    from .estimate import Shape, loss_head_bytes_per_token, saved_bytes_per_token  # no transformers import there
+    from .liger import fused_linear_cross_entropy_in_use
 
-    config = getattr(controller.model, "config", None)
     try:
-        shape = Shape.from_config(config)
+        shape = Shape.from_config(getattr(controller.model, "config", None))
+        dtype_bytes = torch.empty(0, dtype=getattr(controller.model, "dtype", torch.float32)).element_size()
+        layer = saved_bytes_per_token(shape, dtype_bytes=dtype_bytes)
+        fused = fused_linear_cross_entropy_in_use(controller.model)
+        head = loss_head_bytes_per_token(shape, dtype_bytes=dtype_bytes, fused=fused)
     except (TypeError, ValueError, AttributeError):
         return 0  # not a transformers-style config: the margin alone
-    dtype = getattr(controller.model, "dtype", torch.float32)
-    dtype_bytes = torch.empty(0, dtype=dtype).element_size()
-    layer = saved_bytes_per_token(shape, dtype_bytes=dtype_bytes)
-    return tokens * (layer + _loss_head_bytes_per_token(controller, shape, dtype_bytes))
-
-
-def _loss_head_bytes_per_token(controller: _Controller, shape, dtype_bytes: int) -> int:
-    # bf16 logits, their float32 upcast, the log-softmax output kept for backward and the float32
-    # gradient in backward: about three float32 and one model-dtype vocabulary-wide tensors.
-    return shape.vocab * (dtype_bytes + 3 * 4)
+    return tokens * (layer + head)
 
 
 def enable_activation_offloading(model: nn.Module, **options: object) -> None:

@@ -328,3 +328,27 @@ def test_the_earliest_layers_are_offloaded_and_the_last_ones_kept(monkeypatch):
         + [(i, True, "kept_for_budget") for i in range(offloaded_count, LAYERS - 1)]
         + [(LAYERS - 1, True, "kept_layer")]
     )
+
+
+def test_auto_reserves_less_for_a_fused_loss_head():
+    """Under Liger's fused linear cross-entropy the full logits never exist: "auto" reserves the
+    fused head's bytes (estimate.loss_head_bytes_per_token(fused=True)), not 12 x vocab."""
+    from liger_kernel.transformers import apply_liger_kernel_to_llama
+    from test_liger import transformers_restored
+
+    from hf_offload.estimate import Shape, loss_head_bytes_per_token
+
+    model = tiny_model(num_hidden_layers=LAYERS)
+    enable_sim(model)
+    controller = model._hf_offload
+    tokens = batch().numel()
+    shape = Shape.from_config(model.config)
+    standard = api._predicted_step_bytes(controller, tokens)
+    with transformers_restored():
+        apply_liger_kernel_to_llama(
+            model=model, rope=False, rms_norm=False, swiglu=False, cross_entropy=False, fused_linear_cross_entropy=True
+        )
+        fused = api._predicted_step_bytes(controller, tokens)
+    head = loss_head_bytes_per_token(shape, dtype_bytes=4)
+    fused_head = loss_head_bytes_per_token(shape, dtype_bytes=4, fused=True)
+    assert standard - fused == tokens * (head - fused_head) > 0

@@ -8,8 +8,9 @@ and otherwise do nothing (CPU copies complete at once), and devices of type "cpu
 `AcceleratorStreams`. The CPU-overhead benchmark (`layer_overhead`) times the engine this way,
 and the tests read the log to check the calls and their order.
 
-Log entries are tuples: ("record", stream), ("wait", stream, event's stream), ("enter", stream),
-("exit", stream), ("pinned_alloc", nbytes), and whatever the tests add themselves.
+Log entries are tuples: ("record", stream, event id), ("wait", stream, event's stream, event id),
+("enter", stream), ("exit", stream), ("query", stream), ("synchronize", stream),
+("pinned_alloc", nbytes), and whatever the tests add themselves.
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ from hf_offload.engine import streams as streams_module
 
 
 class StandInEvent:
-    __slots__ = ("stream",)
+    __slots__ = ("stream", "id")
 
-    def __init__(self, stream: StandInStream) -> None:
-        self.stream = stream
+    def __init__(self, stream: StandInStream, event_id: int) -> None:
+        self.stream, self.id = stream, event_id
 
     def query(self) -> bool:
         self.stream.accelerator.log.append(("query", self.stream.name))
@@ -43,11 +44,13 @@ class StandInStream:
         self.entered_from: list[StandInStream] = []
 
     def record_event(self) -> StandInEvent:
-        self.accelerator.log.append(("record", self.name))
-        return StandInEvent(self)
+        accelerator = self.accelerator
+        accelerator.events += 1
+        accelerator.log.append(("record", self.name, accelerator.events))
+        return StandInEvent(self, accelerator.events)
 
     def wait_event(self, event: StandInEvent) -> None:
-        self.accelerator.log.append(("wait", self.name, event.stream.name))
+        self.accelerator.log.append(("wait", self.name, event.stream.name, event.id))
 
     def synchronize(self) -> None:
         self.accelerator.log.append(("synchronize", self.name))
@@ -72,6 +75,7 @@ class StandInAccelerator:
 
     def __init__(self) -> None:
         self.log: list[tuple] = []
+        self.events = 0
         self.compute = StandInStream(self, "compute")
         self.current = self.compute
         self.pinned_storages: set[int] = set()  # data_ptrs of the "pinned" host buffers handed out
