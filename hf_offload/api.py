@@ -392,7 +392,13 @@ def _device_memory(device: torch.device) -> tuple[int, int]:
     torch's caching allocator holds unused (that is free to the step too)."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device), total
+        allocated = torch.cuda.memory_allocated(device)
+        available = free + torch.cuda.memory_reserved(device) - allocated
+        # A process capped with torch.cuda.set_per_process_memory_fraction gets no more than that.
+        fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 1.0)(device)
+        if fraction < 1.0:
+            available = min(available, int(total * fraction) - allocated)
+        return available, total
     free, total = torch.accelerator.get_memory_info(device)
     return free + torch.accelerator.memory_reserved(device) - torch.accelerator.memory_allocated(device), total
 

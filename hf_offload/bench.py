@@ -31,9 +31,19 @@ MODES = (
     "hf_offload",
     "checkpointing",
     "checkpointing+hf_offload",
+    "hf_offload_auto",
+    "checkpointing+hf_offload_auto",
     "transformers_offload",
     "trl_offload",
 )
+# The modes with hf_offload, and the same mode without it. The `_auto` ones give hf_offload a
+# device-memory budget (max_device_bytes="auto"): it offloads only the layers that must move.
+WITHOUT_HF_OFFLOAD = {
+    "hf_offload": "none",
+    "checkpointing+hf_offload": "checkpointing",
+    "hf_offload_auto": "none",
+    "checkpointing+hf_offload_auto": "checkpointing",
+}
 # Any mode with this suffix also computes the loss with Liger's fused linear cross-entropy (FLCE),
 # which never materialises the vocabulary-wide logits.
 LIGER = "+liger"
@@ -80,6 +90,12 @@ class Record:
     host_bytes: int | None = None  # hf_offload's host pool
     step_seconds: float | None = None
     tokens_per_second: float | None = None
+    device_budget_bytes: int | None = None  # the _auto modes: the budget hf_offload planned with
+    layers_kept_for_budget: int | None = None  # ... and how many offloadable layers it kept
+
+
+class ModeUnavailable(ImportError):
+    """A mode this machine cannot run (recorded as skipped, like a package that is missing)."""
 
 
 class _SavedBytes:
@@ -164,10 +180,11 @@ def set_checkpointing(model, enabled: bool, *, offload: bool = False) -> None:
 
 
 def is_liger_flce(model) -> bool:
-    """Read from the instance: Liger's FLCE replaces `forward` on the instance, not on the class
+    """Whether Liger's FLCE is on this instance's own `forward`, the one `set_liger_flce` sets
     (`apply_liger_kernel_to_llama(model=...)` sets `model.forward = MethodType(lce_forward, model)`)."""
-    forward = model.__dict__.get("forward")
-    return getattr(getattr(forward, "__func__", None), "__module__", "").startswith("liger_kernel")
+    from .liger import fused_linear_cross_entropy_in_use
+
+    return "forward" in model.__dict__ and fused_linear_cross_entropy_in_use(model)
 
 
 def set_liger_flce(model, enabled: bool) -> None:
@@ -236,20 +253,34 @@ def _remove_trl_hooks(model) -> None:
             module._forward_hooks_always_called.pop(key, None)
 
 
-def _configure(model, mode: str, device: torch.device, min_offload_bytes: int | None = None):
-    """Put `model` in `mode`; returns a context factory for each forward."""
+def _base(model):
+    """The transformers model inside a PEFT wrapper."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _configure(model, mode: str, device: torch.device, min_offload_bytes: int | None = None, memory_limit=None):
+    """Put `model` in `mode`; returns a context factory for each forward. The `_auto` modes read
+    the device's free memory at each step; on the CPU, where there is none, they take
+    `memory_limit` (the byte accounting's limit) as the budget, and are unavailable without it."""
     base_mode, liger = split_mode(mode)
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = _base(model)
     _remove_trl_hooks(model)
     set_liger_flce(base, False)
     hf_offload.disable_activation_offloading(base)
     set_checkpointing(base, False)
     if liger:
         set_liger_flce(base, True)
-    if base_mode in ("hf_offload", "checkpointing+hf_offload"):
+    if base_mode in WITHOUT_HF_OFFLOAD:
         options = {} if min_offload_bytes is None else {"min_offload_bytes": min_offload_bytes}
+        if base_mode.endswith("_auto"):
+            if device.type != "cpu":
+                options["max_device_bytes"] = "auto"
+            elif memory_limit is not None:
+                options["max_device_bytes"] = memory_limit
+            else:
+                raise ModeUnavailable(f"{base_mode} reads the device's free memory; on the CPU give --memory-limit")
         hf_offload.enable_activation_offloading(base, simulate_on_cpu=device.type == "cpu", **options)
-    if base_mode in ("checkpointing", "checkpointing+hf_offload"):
+    if base_mode.startswith("checkpointing"):
         set_checkpointing(base, True)
     if base_mode == "transformers_offload":
         set_checkpointing(base, True, offload=True)
@@ -281,7 +312,9 @@ def _measure(
     fits). `warmup=False` times the first step (one step in all, without accounting).
     `memory_limit` on the CPU turns resident activation bytes above it into a simulated
     out-of-memory (on CUDA the allocator enforces the limit itself)."""
-    forward_context = _configure(model, mode, device, min_offload_bytes)
+    forward_context = _configure(model, mode, device, min_offload_bytes, memory_limit)
+    # A budget's plan needs the bytes per layer of one step first: never time that step.
+    warmup = warmup or split_mode(mode)[0].endswith("_auto")
     vocab = model.config.get_text_config().vocab_size
     ids = torch.randint(vocab, (batch_size, seq_len), generator=torch.Generator().manual_seed(seq_len)).to(device)
     if memory_limit is not None and device.type == "cpu" and not accounting:
@@ -299,21 +332,29 @@ def _measure(
     offloaded = host = resident = None
     if hf_offload.is_activation_offloading(model):
         if accounting:
-            # What the same mode saves without hf_offload, less what hf_offload moved off the device,
-            # plus what it held there at most while copies were in flight or brought back ahead.
+            # What the same mode saves without hf_offload, counted outside any hooks of ours.
             base_mode, liger = split_mode(mode)
-            without = base_mode.replace("+hf_offload", "").replace("hf_offload", "none") + (LIGER if liger else "")
+            without = WITHOUT_HF_OFFLOAD[base_mode] + (LIGER if liger else "")
             _configure(model, without, device)
             counter = _SavedBytes(model)
             step(counter)
-            forward_context = _configure(model, mode, device, min_offload_bytes)
+            forward_context = _configure(model, mode, device, min_offload_bytes, memory_limit)
         if warmup or accounting:
             step()
+            if split_mode(mode)[0].endswith("_auto"):
+                if device.type == "cpu":
+                    # The CPU's limit holds all the step saves: the decoder layers may keep that,
+                    # less what is saved outside them (the first step measured the layers' share).
+                    engine = _base(model)._hf_offload.engine
+                    outside = counter.total - engine.stats().layer_activation_bytes
+                    engine.configure(**{**engine.options(), "max_device_bytes": max(memory_limit - outside, 0)})
+                step()  # the first step measured the layers (all offloaded); this one follows the plan
             stats = hf_offload.activation_offloading_stats(model)
             offloaded, host = stats.offloaded_bytes, stats.pool_bytes
         if accounting:
-            held = max(stats.peak_forward_held_bytes, stats.peak_backward_held_bytes)
-            resident = counter.total - stats.offloaded_bytes + held
+            # What stays outside hf_offload's reach, plus the most of the layers' own activations on
+            # the device at once (what kept layers saved, copies in flight or brought back ahead).
+            resident = counter.total - stats.layer_activation_bytes + stats.peak_resident_bytes
     elif accounting:
         counter = _SavedBytes(model)
         step(counter)  # warm-up, and the byte accounting
@@ -334,9 +375,12 @@ def _measure(
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    if hf_offload.is_activation_offloading(model) and offloaded is None:
+    budget = kept_for_budget = None
+    if hf_offload.is_activation_offloading(model):
         stats = hf_offload.activation_offloading_stats(model)
         offloaded, host = stats.offloaded_bytes, stats.pool_bytes
+        if stats.max_device_bytes is not None:
+            budget, kept_for_budget = stats.max_device_bytes, stats.layers_kept_for_budget
     # The fastest step: on a shared machine the others measure the neighbours too.
     seconds = min(times)
     return Record(
@@ -349,6 +393,8 @@ def _measure(
         host_bytes=host,
         step_seconds=seconds,
         tokens_per_second=batch_size * seq_len / seconds,
+        device_budget_bytes=budget,
+        layers_kept_for_budget=kept_for_budget,
     )
 
 
@@ -801,9 +847,12 @@ def markdown_table(records: list[Record], *, device: torch.device) -> str:
             peak = mib(r.resident_activation_bytes)
         step = "-" if r.step_seconds is None else f"{r.step_seconds * 1e3:.1f}"
         tps = "-" if r.tokens_per_second is None else f"{r.tokens_per_second:.0f}"
+        status = r.status
+        if r.device_budget_bytes is not None:
+            status += f" (budget {r.device_budget_bytes / 2**30:.2f} GiB: {r.layers_kept_for_budget} layers kept)"
         lines.append(
             f"| {r.mode} | {r.seq_len} | {peak} | {mib(r.offloaded_bytes)} | {mib(r.host_bytes)} | {step} | {tps} "
-            f"| {r.status} |"
+            f"| {status} |"
         )
     return "\n".join(lines)
 

@@ -228,3 +228,33 @@ def test_trl_hooks_come_off_when_the_mode_changes(trl_reaches_its_logging_on_a_c
     assert len(head._forward_pre_hooks) == 1 and len(head._forward_hooks) == 1
     bench._configure(model, "none", torch.device("cpu"))
     assert not head._forward_pre_hooks and not head._forward_hooks and not head._forward_hooks_always_called
+
+
+def test_budget_modes_keep_layers_within_a_cpu_memory_limit(tmp_path):
+    """On the CPU the _auto modes budget the decoder layers with --memory-limit (the byte
+    accounting's limit) less what the step saves outside them: with room for part of the
+    activations they keep some layers on the device and offload the rest, and the step's
+    resident bytes stay within the limit where full offloading fits."""
+    seqs = ["--seq-lens", "256", "--min-offload-bytes", "0"]
+    full = run_bench(tmp_path / "full", *seqs, "--modes", "none", "hf_offload")["records"]
+    none, offloaded = (r["resident_activation_bytes"] for r in full)
+    limit = (none + offloaded) / 2  # between full offloading and none
+    result = run_bench(
+        tmp_path / "auto", *seqs, "--modes", "hf_offload_auto", "checkpointing+hf_offload_auto",
+        "--memory-limit", str(limit / 2**30),
+    )  # fmt: skip
+    auto, checkpointed = result["records"]
+    assert auto["status"] == "ok" and checkpointed["status"] == "ok"
+    assert 0 < auto["device_budget_bytes"] < limit
+    assert 0 < auto["layers_kept_for_budget"] < 5  # some of the 5 offloadable layers, not all
+    assert offloaded < auto["resident_activation_bytes"] <= limit
+    assert auto["offloaded_bytes"] < full[1]["offloaded_bytes"]  # it moved less than full offloading
+    assert checkpointed["layers_kept_for_budget"] == 5  # checkpoint inputs all fit: nothing moves
+    assert checkpointed["offloaded_bytes"] == 0
+    assert "layers kept" in (tmp_path / "auto" / "bench.md").read_text()
+
+
+def test_budget_modes_need_a_memory_figure_on_the_cpu(tmp_path):
+    result = run_bench(tmp_path, "--seq-lens", "32", "--modes", "hf_offload_auto")
+    (record,) = result["records"]
+    assert record["status"].startswith("skipped: hf_offload_auto reads the device's free memory")

@@ -439,6 +439,7 @@ class ActivationOffloader:
             peak_forward_held_bytes=step.peak_forward_held_bytes,
             peak_backward_held_bytes=step.peak_backward_held_bytes,
             max_device_bytes=step.max_device_bytes,
+            layer_activation_bytes=step.layer_activation_bytes,
             peak_resident_bytes=step.peak_resident_bytes,
             layers_kept_for_budget=step.layers_kept_for_budget,
             planned_peak_bytes=step.planned_peak_bytes,
@@ -574,6 +575,7 @@ class ActivationOffloader:
             self._kept_resident_bytes += group.kept_bytes
         self._note_resident()
         offloadable = not (group.keep and group.kept_reason == "kept_layer")
+        step.layer_activation_bytes += group.offloaded_bytes + group.kept_bytes
         self._pass_layers.append(
             (group.offloaded_bytes + group.kept_bytes, group.offloaded_bytes + group.shared_bytes, offloadable)
         )

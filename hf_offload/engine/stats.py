@@ -31,6 +31,7 @@ class StepCounters:
     peak_forward_held_bytes: int = 0
     peak_backward_held_bytes: int = 0
     max_device_bytes: int | None = None
+    layer_activation_bytes: int = 0
     peak_resident_bytes: int = 0
     layers_kept_for_budget: int = 0
     planned_peak_bytes: int | None = None
@@ -62,11 +63,14 @@ class OffloadStats:
     `restored_ahead` copies were brought back while a later layer's backward ran (prefetch);
     `restored_on_demand` ones only when their own layer's backward began. `peak_*_held_bytes`
     is the most device memory the engine itself kept referenced: sources of copies in flight
-    in forward, copies brought back ahead in backward. `peak_resident_bytes` adds what the kept
-    layers saved: the most decoder-layer activation bytes on the device at once, by the engine's
-    accounting. With a device-memory budget, `max_device_bytes` is the budget in force for the
-    step ("auto" resolved), `layers_kept_for_budget` how many offloadable layers the plan kept on
-    the device, `planned_peak_bytes` the peak the plan predicted for `plan_tokens` tokens.
+    in forward, copies brought back ahead in backward. `layer_activation_bytes` is what the
+    decoder layers saved in the step, offloaded or kept (each storage once; parameters and
+    tensors under min_offload_bytes not included), and `peak_resident_bytes` the most of it on
+    the device at once, by the engine's accounting: what kept layers saved, plus the copies'
+    sources in flight and the copies brought back ahead. With a device-memory budget,
+    `max_device_bytes` is the budget in force for the step ("auto" resolved),
+    `layers_kept_for_budget` how many offloadable layers the plan kept on the device,
+    `planned_peak_bytes` the peak the plan predicted for `plan_tokens` tokens.
     `host_bytes_held`, `live_host_copies` and the `pool_*` fields are read now, not at the end
     of the step; `pool_allocations` counts host buffers ever allocated (a pooled buffer is
     reused, not allocated again).
@@ -85,6 +89,7 @@ class OffloadStats:
     peak_forward_held_bytes: int
     peak_backward_held_bytes: int
     max_device_bytes: int | None
+    layer_activation_bytes: int
     peak_resident_bytes: int
     layers_kept_for_budget: int
     planned_peak_bytes: int | None
