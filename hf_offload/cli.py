@@ -171,6 +171,14 @@ def _add_estimate_command(commands: argparse._SubParsersAction) -> None:
     )
     estimate.add_argument("--list-devices", action="store_true", help="print the device presets and exit")
     estimate.add_argument(
+        "--max-device-gib",
+        type=_positive_float("max-device-gib"),
+        default=None,
+        metavar="GIB",
+        help="a device-memory budget for the decoder layers' activations (max_device_bytes = GIB x 2**30): "
+        "print how many layers hf_offload's plan offloads and keeps",
+    )
+    estimate.add_argument(
         "--device-memory",
         type=_positive_float("device-memory"),
         default=None,
@@ -203,6 +211,7 @@ def _run_estimate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         estimate,
         fixed_bytes,
         format_assumptions,
+        format_budget_plan,
         format_devices,
         format_estimate,
         format_max_seq_lens,
@@ -242,6 +251,16 @@ def _run_estimate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         **lora,
     )
     print(format_estimate(result, link_gbps=link_gbps, tflops=tflops))
+    if args.max_device_gib is not None:
+        budget = int(args.max_device_gib * 2**30)
+        print(
+            format_budget_plan(
+                result,
+                budget_bytes=budget,
+                keep_last_layers=args.keep_last_layers,
+                prefetch_layers=args.prefetch_layers,
+            )
+        )
 
     print(
         format_assumptions(

@@ -749,6 +749,28 @@ def format_estimate(result: Estimate, *, link_gbps: float, tflops: float) -> str
     )
 
 
+def format_budget_plan(
+    result: Estimate, *, budget_bytes: int, keep_last_layers: int = 1, prefetch_layers: int = 1
+) -> str:
+    """What hf_offload's device-memory budget (`max_device_bytes`) does with this step: the plan
+    the engine would make from these per-layer bytes (engine/planner.py, the same function)."""
+    from .engine.planner import plan  # the engine imports no transformers either
+
+    layers = result.shape.layers
+    offloadable = max(layers - keep_last_layers, 0)
+    layer_bytes = [result.layer_bytes] * layers
+    chosen = plan(layer_bytes, budget_bytes, offloadable_layers=offloadable, prefetch_layers=prefetch_layers)
+    kept = offloadable - chosen.offloaded_layers
+    line = (
+        f"device-memory budget {gib(budget_bytes)} (max_device_bytes={budget_bytes}): offloads the first "
+        f"{chosen.offloaded_layers} of {offloadable} offloadable layers and keeps {kept} on the device for the budget; "
+        f"decoder-layer activations on the device at most {gib(chosen.predicted_peak_bytes)}"
+    )
+    if not chosen.fits:
+        line += " - more than the budget: even full offloading needs that much, so every layer is offloaded"
+    return line
+
+
 def format_devices() -> str:
     """The `--device` presets as a markdown table."""
     lines = [

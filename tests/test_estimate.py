@@ -462,3 +462,23 @@ def test_cli_bad_arguments_are_named(argv, fragment, capsys):
         main(["estimate", *argv])
     assert exit_.value.code == 2
     assert fragment in capsys.readouterr().err
+
+
+def test_cli_says_how_many_layers_a_budget_keeps(capsys):
+    """`--max-device-gib` runs the engine's own planner on the estimate's bytes per layer."""
+    from hf_offload.engine.planner import resident_peak
+
+    result = estimate(PRESETS["llama-3.2-1b"], seq_len=4096)
+    layer = result.layer_bytes
+    expected = {0.1: 15, 2.0: 12, 100.0: 0}  # offloaded layers, of 15 offloadable
+    for gib, offloaded in expected.items():
+        out = run_cli(capsys, "--preset", "llama-3.2-1b", "--seq-len", "4096", "--max-device-gib", str(gib))
+        line = next(line for line in out.splitlines() if line.startswith("device-memory budget"))
+        assert f"offloads the first {offloaded} of 15 offloadable layers and keeps {15 - offloaded}" in line
+        budget = int(gib * 2**30)
+        peak = resident_peak([layer] * 16, offloaded, 1)
+        assert f"at most {peak / 2**30:.2f} GiB" in line
+        # The fewest layers that fit: one fewer would not (unless none is needed or none fits).
+        if offloaded > 0 and peak <= budget:
+            assert resident_peak([layer] * 16, offloaded - 1, 1) > budget
+    assert "more than the budget" in run_cli(capsys, "--preset", "llama-3.2-1b", "--max-device-gib", "0.1")
