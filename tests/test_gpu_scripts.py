@@ -1,0 +1,52 @@
+"""The prepared GPU commands, run end to end on the CPU (`--cpu-smoke`: tiny preset, simulated
+copies, CUDA-only measurements reported as skipped), so that the first GPU run does not find a
+bug in the scripts themselves. What they measure on a GPU is in docs/benchmarks.md."""
+
+from __future__ import annotations
+
+from hf_offload.benchmarks import gpu_check, gpu_long_context
+
+
+def test_gpu_check_runs_every_stage(capsys):
+    assert gpu_check.main(["--cpu-smoke", "--skip-tests", "--steps", "1"]) == 0
+    out = capsys.readouterr().out
+    for stage in ("1. full fine-tuning sweep", "2. CPU issue time", "3. synchronising calls", "4. LoRA r=16"):
+        assert stage in out
+    assert "| 128 | checkpointing+hf_offload_auto | ok |" in out  # the budget table, for each length
+    assert "skipped: CUDA events need a CUDA device" in out
+    assert "skipped: torch.cuda.set_sync_debug_mode needs a CUDA device" in out
+    assert "| trl_offload | 64 |" in out and "failed:" in out  # TRL's offloading fails on the CPU: recorded
+
+
+def test_gpu_long_context_runs_every_stage(capsys):
+    assert gpu_long_context.main(["--cpu-smoke", "--skip-tests"]) == 0
+    out = capsys.readouterr().out
+    predicted = {}
+    for line in out.splitlines():
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        if len(cells) == 4 and cells[1].endswith(" MB"):  # the predictions table: mode, slope, fixed, max seq
+            predicted[cells[0]] = int(cells[3])
+    # Under the same limit, offloading the checkpoint inputs leaves room for longer sequences.
+    assert predicted["checkpointing+hf_offload"] > predicted["checkpointing"] > 0
+    assert "max seq: ckpt+hf_offload+FLCE vs ckpt alone (>= 5x) | not measured" in out  # Liger needs Triton
+    assert "stopped at 1024: failed: RuntimeError" in out
+
+
+def test_budget_target_compares_with_the_fastest_mode_that_fits():
+    from hf_offload.bench import Record
+
+    records = [
+        Record("none", 4096, "ok", step_seconds=1.0),
+        Record("checkpointing", 4096, "ok", step_seconds=1.2),
+        Record("hf_offload", 4096, "ok", step_seconds=3.0),
+        Record("hf_offload_auto", 4096, "ok", step_seconds=1.04, layers_kept_for_budget=15),
+        Record("checkpointing+hf_offload_auto", 4096, "ok", step_seconds=1.3, layers_kept_for_budget=15),
+        Record("none", 16384, "oom"),
+        Record("hf_offload", 16384, "ok", step_seconds=4.0),
+        Record("hf_offload_auto", 16384, "oom"),
+    ]
+    table = gpu_check.budget_table(records, [4096, 16384])
+    assert "| 4096 | hf_offload_auto | ok | 15 | 1.040x | none | met |" in table
+    # Checkpointing modes are held to the fastest checkpointing mode: recomputing costs what it costs.
+    assert "| 4096 | checkpointing+hf_offload_auto | ok | 15 | 1.083x | checkpointing | MISSED |" in table
+    assert "| 16384 | hf_offload_auto | oom | - | - | - | MISSED |" in table  # full offloading fitted
