@@ -454,7 +454,7 @@ def sweep(
         options = {} if memory_limit is None else {"memory_limit": memory_limit}
         record = _probe(model, mode, seq_len, batch_size, steps, device, min_offload_bytes, **options)
         if record.status.startswith("skipped"):
-            stopped[mode] = "not importable"
+            stopped[mode] = "unavailable"
         elif record.status == "oom":
             stopped[mode] = "out of memory"
         elif record.status != "ok":
@@ -849,7 +849,8 @@ def markdown_table(records: list[Record], *, device: torch.device) -> str:
         tps = "-" if r.tokens_per_second is None else f"{r.tokens_per_second:.0f}"
         status = r.status
         if r.device_budget_bytes is not None:
-            status += f" (budget {r.device_budget_bytes / 2**30:.2f} GiB: {r.layers_kept_for_budget} layers kept)"
+            kept = r.layers_kept_for_budget
+            status += f" (budget {r.device_budget_bytes / 2**30:.2f} GiB: {kept} layer{'' if kept == 1 else 's'} kept)"
         lines.append(
             f"| {r.mode} | {r.seq_len} | {peak} | {mib(r.offloaded_bytes)} | {mib(r.host_bytes)} | {step} | {tps} "
             f"| {status} |"

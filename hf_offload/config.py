@@ -7,11 +7,11 @@ import os
 from dataclasses import dataclass
 
 # Chosen by `python -m hf_offload.benchmarks.min_offload_bytes`: offloading and restoring one
-# saved tensor costs ~30 us of fixed engine work (measured 2026-11-30 on a 2-core x86 CPU,
-# torch 2.13, batches of 16 tensors per layer), the time a 25 GB/s host link needs for ~740 KiB.
-# Rounded down to a power of two so that tensors holding real memory still move; the tensors
-# below it (per-head statistics, masks, short rotary tables) are a negligible share of a
-# layer's activations at the sequence lengths where offloading matters.
+# saved tensor costs ~20 us of fixed engine work (measured 2026-12-01 on a 2-core x86 CPU,
+# torch 2.13, batches of 16 tensors per layer; ~30 us before the per-tensor work was cut), the
+# time a 25 GB/s host link needs for ~495 KiB. Rounded to a power of two; the tensors below it
+# (per-head statistics, masks, short rotary tables) are a negligible share of a layer's
+# activations at the sequence lengths where offloading matters.
 DEFAULT_MIN_OFFLOAD_BYTES = 512 * 1024
 
 # Share of the host memory available at enable time that offloading may use, split between

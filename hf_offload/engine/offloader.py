@@ -265,11 +265,11 @@ class LayerGroup:
         ):
             engine.step.keep("unsupported", nbytes)
             return tensor.detach()
-        if nbytes < engine.min_offload_bytes or nbytes == 0:
-            engine.step.keep("too_small", nbytes)
-            return tensor.detach()
         if views_a_parameter(tensor):  # what linear layers save: weight.t()
             engine.step.keep("parameter", nbytes)
+            return tensor.detach()
+        if nbytes < engine.min_offload_bytes or nbytes == 0:
+            engine.step.keep("too_small", nbytes)
             return tensor.detach()
         storage = tensor.untyped_storage()
         ptr = storage.data_ptr()
