@@ -15,7 +15,6 @@ the model.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import tempfile
 
 import torch
@@ -23,7 +22,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
 import hf_offload  # noqa: F401  (adds enable_activation_offloading to every model)
-from hf_offload.determinism import DeterministicKernels
+from hf_offload.determinism import DeterministicKernels, train_and_compare
 
 
 class RandomTokens(torch.utils.data.Dataset):
@@ -106,35 +105,13 @@ def main() -> int:
         help="--compare, and train twice without offloading: proves the kernels repeat",
     )
     args = parser.parse_args()
-    compare = args.compare or args.control
-    # Before any CUDA work: PyTorch reads CUBLAS_WORKSPACE_CONFIG at its first cuBLAS call.
-    kernels = DeterministicKernels() if compare else None
-    if kernels is not None:
-        print(kernels.describe())
-
-    exit_code = 0
-    with kernels or contextlib.nullcontext():
-        losses, model = train(args, offload=True, kernels=kernels)
-        print("losses with offloading:   ", [round(loss, 6) for loss in losses])
-        if compare:
-            expected = train(args, offload=False, kernels=kernels)
-            print("losses without offloading:", [round(loss, 6) for loss in expected[0]])
-            if args.control:
-                kernels.note_control(same_run(expected, train(args, offload=False, kernels=kernels)))
-                print(kernels.describe_control())
-            verdict = kernels.verdict(same_run((losses, model), expected))
-            print(f"identical to the run without offloading: {verdict.stated('losses and trained weights')}")
-            exit_code = verdict.exit_code
+    exit_code, model = train_and_compare(
+        lambda offload, kernels: train(args, offload=offload, kernels=kernels),
+        compare=args.compare,
+        control=args.control,
+    )
     print(model.activation_offloading_stats().summary())
     return exit_code
-
-
-def same_run(first: tuple[list[float], torch.nn.Module], second: tuple[list[float], torch.nn.Module]) -> bool:
-    """Equal losses and bit-identical trained weights."""
-    (first_losses, first_model), (second_losses, second_model) = first, second
-    return first_losses == second_losses and all(
-        torch.equal(p, q) for p, q in zip(first_model.parameters(), second_model.parameters(), strict=True)
-    )
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ turns the comparison's outcome into a verdict that is never a false "NO":
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import warnings
@@ -242,3 +243,40 @@ class DeterministicKernels:
 
 def _attention_of(model: PreTrainedModel) -> str | None:
     return getattr(model.config, "_attn_implementation", None)
+
+
+Run = tuple[list[float], torch.nn.Module]  # a training run: its losses and the trained model
+
+
+def same_run(first: Run, second: Run) -> bool:
+    """Equal losses and bit-identical trained weights."""
+    (first_losses, first_model), (second_losses, second_model) = first, second
+    return first_losses == second_losses and all(
+        torch.equal(p, q) for p, q in zip(first_model.parameters(), second_model.parameters(), strict=True)
+    )
+
+
+def train_and_compare(train, *, compare: bool, control: bool) -> tuple[int, torch.nn.Module]:
+    """The examples' `--compare` and `--control`: `train(offload, kernels)` returns a `Run`. Trains
+    with offloading; with `compare`, also without it, and with `control` a second time without
+    it, on deterministic kernels; prints the losses and a verdict that is never a false NO.
+    Returns the exit status (EXIT_*) and the offloaded run's model. Call it before any CUDA work:
+    it sets CUBLAS_WORKSPACE_CONFIG, which PyTorch reads at its first cuBLAS call."""
+    compare = compare or control
+    kernels = DeterministicKernels() if compare else None
+    if kernels is not None:
+        print(kernels.describe())
+    exit_code = EXIT_IDENTICAL
+    with kernels if kernels is not None else contextlib.nullcontext():
+        losses, model = train(True, kernels)
+        print("losses with offloading:   ", [round(loss, 6) for loss in losses])
+        if compare:
+            expected = train(False, kernels)
+            print("losses without offloading:", [round(loss, 6) for loss in expected[0]])
+            if control:
+                kernels.note_control(same_run(expected, train(False, kernels)))
+                print(kernels.describe_control())
+            verdict = kernels.verdict(same_run((losses, model), expected))
+            print(f"identical to the run without offloading: {verdict.stated('losses and trained weights')}")
+            exit_code = verdict.exit_code
+    return exit_code, model

@@ -133,10 +133,19 @@ def unordered_compute_accesses(accelerator: StandInAccelerator) -> list[str]:
     return found
 
 
-def test_accelerator_path_is_exact_and_issues_the_designed_orderings(accelerator):
+def twin_models(checkpointing: bool = False):
+    """A tiny Llama and its twin with offloading enabled (both checkpointed, if asked)."""
     plain = tiny_model("llama")
     offloaded = twin(plain)
     enable_sim(offloaded)
+    if checkpointing:
+        for model in (plain, offloaded):
+            model.activation_checkpointing_enable()
+    return plain, offloaded
+
+
+def test_accelerator_path_is_exact_and_issues_the_designed_orderings(accelerator):
+    plain, offloaded = twin_models()
     for seed in range(2):
         assert_same_step(plain, offloaded, batch(seed=seed))
     stats = offloaded.activation_offloading_stats()
@@ -158,12 +167,7 @@ def test_the_ordering_check_catches_a_missing_wait(accelerator, monkeypatch, rem
 
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_nothing_touches_a_copy_on_the_compute_stream_after_its_event(accelerator, checkpointing):
-    plain = tiny_model("llama")
-    offloaded = twin(plain)
-    enable_sim(offloaded)
-    if checkpointing:
-        for model in (plain, offloaded):
-            model.activation_checkpointing_enable()
+    plain, offloaded = twin_models(checkpointing)
     with OperationLog(accelerator):
         assert_same_step(plain, offloaded, batch())
     assert copies(accelerator.log)
@@ -236,12 +240,7 @@ def steps_after_the_first(accelerator, plain, offloaded, steps=3) -> tuple[dict,
 
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_no_synchronisation_in_a_step_after_the_first(synchronisations, checkpointing):
-    plain = tiny_model("llama")
-    offloaded = twin(plain)
-    enable_sim(offloaded)
-    if checkpointing:
-        for model in (plain, offloaded):
-            model.activation_checkpointing_enable()
+    plain, offloaded = twin_models(checkpointing)
     without, with_offloading = steps_after_the_first(synchronisations, plain, offloaded)
     assert offloaded.activation_offloading_stats().offloaded_tensors > 0
     assert with_offloading == without, "offloading added synchronising calls"
@@ -252,9 +251,7 @@ def test_no_synchronisation_in_a_step_after_the_first(synchronisations, checkpoi
 def test_the_synchronisation_check_catches_a_pool_that_allocates_every_step(synchronisations, monkeypatch):
     """Companion: a pool that forgets its buffers pins new host memory every step."""
     monkeypatch.setattr(HostPool, "release", lambda self, buffer: None)
-    plain = tiny_model("llama")
-    offloaded = twin(plain)
-    enable_sim(offloaded)
+    plain, offloaded = twin_models()
     _, with_offloading = steps_after_the_first(synchronisations, plain, offloaded)
     assert with_offloading["pinned_alloc"] > 0
 
@@ -275,9 +272,7 @@ def test_the_synchronisation_check_catches_pageable_copies_and_item(synchronisat
         return exit_layer(self, group, name)
 
     monkeypatch.setattr(ActivationOffloader, "exit_layer", exit_with_item)
-    plain = tiny_model("llama")
-    offloaded = twin(plain)
-    enable_sim(offloaded)
+    plain, offloaded = twin_models()
     without, with_offloading = steps_after_the_first(synchronisations, plain, offloaded)
     assert with_offloading["pageable_copy"] > 0
     assert with_offloading["item"] > without["item"]
@@ -291,9 +286,7 @@ def test_pinned_memory_unavailable_falls_back_to_pageable_once(monkeypatch, capl
             raise RuntimeError("pin_memory=True requires a CUDA or other accelerator backend")
 
         monkeypatch.setattr(streams_module, "pinned_empty", cannot_pin)
-        plain = tiny_model("llama")
-        offloaded = twin(plain)
-        enable_sim(offloaded)
+        plain, offloaded = twin_models()
         with caplog.at_level(logging.WARNING, logger="hf_offload"):
             for seed in range(2):
                 assert_same_step(plain, offloaded, batch(seed=seed))
