@@ -42,15 +42,7 @@ from hf_offload.bench import MODES, Record, _configure, build_model, markdown_ta
 
 TESTS = Path(__file__).resolve().parents[2] / "tests"
 BUDGET_MODES = ("hf_offload_auto", "checkpointing+hf_offload_auto")
-LORA_MODES = (
-    "none",
-    "hf_offload",
-    "checkpointing",
-    "checkpointing+hf_offload",
-    "hf_offload_auto",
-    "checkpointing+hf_offload_auto",
-    "trl_offload",
-)
+LORA_MODES = tuple(mode for mode in MODES if mode != "transformers_offload")  # its 1B figures are enough
 
 
 def ratios_table(records, seq_lens) -> str:

@@ -484,39 +484,10 @@ class ActivationOffloader:
             protected = self._pass_protected = storage_ptrs(source()) if source is not None else set()
         return protected
 
-    def layer_scope(
-        self,
-        *,
-        training: bool,
-        device: torch.device | None,
-        starts_pass: bool,
-        keep: bool,
-        protected: Callable[[], Iterable[torch.Tensor]],
-        pass_protected: Callable[[], Iterable[torch.Tensor]],
-        name: str,
-        tokens: int | None = None,
-    ) -> LayerScope:
+    def layer_scope(self, **arguments) -> LayerScope:
         """Run one decoder layer's forward with its saved tensors routed through the offloader:
-        `with engine.layer_scope(...): output = layer(...)`.
-
-        `protected` yields the layer's parameters and buffers, `pass_protected` every parameter
-        of the model outside the layers; both are read during the call (on first need), so they
-        are right after PEFT, dtype changes or sharding. `tokens`, given with `starts_pass`, is
-        the number of tokens the pass carries (for the device-memory budget's plan).
-        """
-        return LayerScope(
-            self,
-            dict(
-                training=training,
-                device=device,
-                starts_pass=starts_pass,
-                keep=keep,
-                protected=protected,
-                pass_protected=pass_protected,
-                name=name,
-                tokens=tokens,
-            ),
-        )
+        `with engine.layer_scope(...): output = layer(...)`, with `enter_layer`'s arguments."""
+        return LayerScope(self, arguments)
 
     def enter_layer(
         self,
@@ -531,7 +502,13 @@ class ActivationOffloader:
         tokens: int | None = None,
     ) -> LayerGroup | None:
         """The group whose hooks route this layer call's saved tensors; None when the engine
-        stays out of it (not training, grad off, inside backward, or on the CPU)."""
+        stays out of it (not training, grad off, inside backward, or on the CPU).
+
+        `protected` yields the layer's parameters and buffers, `pass_protected` every parameter
+        of the model outside the layers; both are read during the call (on first need), so they
+        are right after PEFT, dtype changes or sharding. `tokens`, given with `starts_pass`, is
+        the number of tokens the pass carries (for the device-memory budget's plan). `name`
+        names the layer in warnings (`exit_layer` takes it)."""
         # Decided here, not in the pack hook: autograd calls pack hooks with grad mode off.
         if not (training and torch.is_grad_enabled()) or device is None or in_backward():
             return None
