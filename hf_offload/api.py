@@ -14,6 +14,7 @@ import functools
 import itertools
 import logging
 import types
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -130,7 +131,7 @@ class _ModuleCache:
             self.modules = build()
             self.dicts = [d for module in self.modules for d in (module._parameters, module._buffers) if d]
             self.generation = _structure_generation[0]
-            _watched_modules.update(map(id, self.modules))
+            _watched_modules.update(self.modules)
         for tensors in self.dicts:
             for tensor in tensors.values():
                 if tensor is not None:
@@ -142,12 +143,16 @@ class _ModuleCache:
 # replaced by assignment); the containers a forward pass builds and drops (transformers slices
 # its ModuleList of layers) are not watched.
 _structure_generation = [0]
-_watched_modules: set[int] = set()
+_watched_modules: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # weak: a dead module's id is reused
 _registration_hooks: list = []
 
 
 def _structure_changed(module: nn.Module, _name: str, _value: object) -> None:
-    if id(module) in _watched_modules:
+    # Under torch.compile the hook is traced into the graph (transformers registers layers into a
+    # sliced ModuleList every forward): no structure of ours changes inside a compiled region.
+    if torch.compiler.is_compiling():
+        return
+    if module in _watched_modules:
         _structure_generation[0] += 1
 
 
@@ -176,6 +181,14 @@ class _LayerSlot:
         self.name = f"{position} ({type(layer).__name__})"
         self._modules = _ModuleCache()
         self._device_probe: tuple[nn.Module, str] | None = None
+
+    def for_replica(self, replica: nn.Module) -> _LayerSlot:
+        """The same slot for an nn.DataParallel replica of the layer, with caches of its own."""
+        if self.controller is None:  # a pass-through left behind by disabling: nothing to cache
+            return self
+        slot = _LayerSlot(self.controller, self.position, self.previous_forward, replica)
+        slot.installation = self.installation
+        return slot
 
     def tensors(self, layer: nn.Module) -> Iterator[torch.Tensor]:
         """The layer's parameters and buffers as they are now."""
@@ -322,6 +335,9 @@ def _replicate_with_offloading(self: nn.Module) -> nn.Module:
     # nn.DataParallel copies each module's __dict__ into a replica, which would carry a forward
     # still bound to this layer (and its weights on the first GPU). Rebind it to the replica.
     replica = type(self)._replicate_for_data_parallel(self)
+    # Its own slot too: the slot remembers where this layer's parameters are (for its device and
+    # its parameters' storages), and the replica's are on another GPU.
+    setattr(replica, LAYER_STATE_ATTR, self.__dict__[LAYER_STATE_ATTR].for_replica(replica))
     replica.forward = types.MethodType(_offloaded_forward, replica)
     replica._replicate_for_data_parallel = types.MethodType(_replicate_with_offloading, replica)
     return replica
@@ -405,7 +421,10 @@ def _device_memory(device: torch.device) -> tuple[int, int]:
 
 def _check_device_memory_readable() -> None:
     """max_device_bytes="auto" needs the accelerator's free memory at every step: fail now, at
-    enable time, where it cannot be read, rather than in the middle of training."""
+    enable time, where it cannot be read, rather than in the middle of training. Nothing is asked
+    of the device itself here (that would create a CUDA context on the current device, GPU 0 for
+    every rank of a torchrun job that enables before choosing its device): the first step reads
+    the memory, on the layers' own device."""
     accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
     if accelerator is None:
         raise ValueError(
@@ -413,14 +432,12 @@ def _check_device_memory_readable() -> None:
             "accelerator is available here (torch.accelerator.is_available() is False); pass a number of "
             "bytes, or None to offload every layer"
         )
-    device = torch.device(accelerator.type, torch.accelerator.current_device_index())
-    try:
-        _device_memory(device)
-    except (RuntimeError, AttributeError, NotImplementedError) as error:
+    if accelerator.type != "cuda" and not hasattr(torch.accelerator, "get_memory_info"):
         raise ValueError(
-            f"option max_device_bytes='auto' cannot read the free memory of {device} ({error}); pass a number "
-            "of bytes, or None to offload every layer"
-        ) from None
+            f"option max_device_bytes='auto' cannot read the free memory of {accelerator.type} devices with "
+            f"torch {torch.__version__} (no torch.accelerator.get_memory_info); pass a number of bytes, or None "
+            "to offload every layer"
+        )
 
 
 def _auto_device_budget(controller: _Controller, device: torch.device, tokens: int | None) -> int:

@@ -74,15 +74,15 @@ def accelerator(monkeypatch) -> Iterator[StandInAccelerator]:
     whether non-blocking, whether its host side was pinned, what it wrote and read. (Copies made
     by other code, such as copy.deepcopy of a model, are not the engine's.)"""
     with stand_in_accelerator() as fake:
-        original_copy = torch.UntypedStorage.copy_
+        original_copy = torch.Tensor.copy_
 
         def logged_copy(dst, src, non_blocking=False):
-            if sys._getframe(1).f_globals.get("__name__", "").startswith("hf_offload."):
-                pinned = dst.data_ptr() in fake.pinned_storages or src.data_ptr() in fake.pinned_storages
-                fake.log.append(("copy", fake.current.name, non_blocking, pinned, _ranges([dst]), _ranges([src])))
+            if sys._getframe(1).f_globals.get("__name__", "").startswith("hf_offload.engine"):
+                pinned = {dst.untyped_storage().data_ptr(), src.untyped_storage().data_ptr()} & fake.pinned_storages
+                fake.log.append(("copy", fake.current.name, non_blocking, bool(pinned), _ranges([dst]), _ranges([src])))
             return original_copy(dst, src, non_blocking=non_blocking)
 
-        monkeypatch.setattr(torch.UntypedStorage, "copy_", logged_copy)
+        monkeypatch.setattr(torch.Tensor, "copy_", logged_copy)
         yield fake
 
 
@@ -175,23 +175,157 @@ def test_nothing_touches_a_copy_on_the_compute_stream_after_its_event(accelerato
     assert unordered_compute_accesses(accelerator) == []
 
 
+def views_made_after_the_event(accelerator: StandInAccelerator):
+    """`AcceleratorStreams.copy_async` as it was before the fix, in effect: a byte view of each
+    copy's source made on the compute stream after the event the copy stream waits on."""
+    copy_async = streams_module.AcceleratorStreams.copy_async
+
+    def views_again(self, pairs):
+        for _, source in pairs:
+            if source.untyped_storage().data_ptr() not in accelerator.pinned_storages:  # a copy out
+                streams_module.flat_bytes(source.untyped_storage())  # on the compute stream
+        return copy_async(self, pairs)
+
+    return views_again
+
+
 def test_the_sanitizer_check_catches_a_view_made_after_the_event(accelerator, monkeypatch):
     """Companion: the order the H200's sanitizer run failed on, a byte view of each source made
     on the compute stream after the event the copy stream waits on (as `flat_bytes` was)."""
-    copy_async = streams_module.AcceleratorStreams.copy_async
-
-    def views_first(self, pairs, to_host):
-        if to_host:
-            for _, source in pairs:
-                streams_module.flat_bytes(source)  # on the compute stream: not yet inside the copy stream
-        return copy_async(self, pairs, to_host)
-
-    monkeypatch.setattr(streams_module.AcceleratorStreams, "copy_async", views_first)
+    monkeypatch.setattr(streams_module.AcceleratorStreams, "copy_async", views_made_after_the_event(accelerator))
     model = tiny_model("llama")
     enable_sim(model)
     with OperationLog(accelerator):
         train_step(model, batch())
     assert "aten.set_.source_Storage" in unordered_compute_accesses(accelerator)
+
+
+class SanitizerReplay(TorchDispatchMode):
+    """PyTorch's CUDA stream sanitizer (`torch.cuda._sanitizer`, what TORCH_CUDA_SANITIZER=1
+    runs), replayed on the stand-in accelerator: every aten operation goes to its own
+    EventHandler with the stand-in stream it ran on and the memory it read and wrote (parsed by
+    its own ArgumentHandler rules), and so does every event record and wait. CPU tensors play
+    device memory, except the pooled pinned buffers, which are host memory, as on a GPU.
+    `errors` are the races it would report. (Private module: a test aid, not the package's.)"""
+
+    def __init__(self, accelerator: StandInAccelerator) -> None:
+        from torch.cuda import _sanitizer
+
+        super().__init__()
+        self.accelerator, self.sanitizer = accelerator, _sanitizer
+        self.handler = _sanitizer.EventHandler()
+        self.errors: list = []
+        replay = self
+
+        class DeviceArguments(_sanitizer.ArgumentHandler):
+            def _handle_argument(self, value, is_write, metadata_only, name=None, is_output=False):
+                if replay.on_device(value):
+                    pointer = value.data_ptr() or id(value)
+                    if is_write:
+                        self.dataptrs_written.add(pointer)
+                    elif not metadata_only:
+                        self.dataptrs_read.add(pointer)
+                    self.tensor_aliases.setdefault(pointer, [])
+                    if name is not None:
+                        self.tensor_aliases[pointer].append(name)
+                    if is_output:
+                        self.outputs.add(pointer)
+
+        self.arguments = DeviceArguments
+
+    def on_device(self, value) -> bool:
+        return (
+            isinstance(value, torch.Tensor)
+            and value.layout is torch.strided
+            and value.untyped_storage().data_ptr() not in self.accelerator.pinned_storages
+        )
+
+    def stream(self) -> int:
+        return 0 if self.accelerator.current.name == "compute" else 1
+
+    def record(self, event_id: int, stream_name: str) -> None:
+        self.handler._handle_event_record(event_id, 0 if stream_name == "compute" else 1)
+
+    def wait(self, event_id: int, stream_name: str) -> None:
+        self.handler._handle_event_wait(event_id, 0 if stream_name == "compute" else 1)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        is_factory = bool(self.sanitizer.FACTORY_FUNCTION_REGEX.match(func._schema.name))
+        arguments = self.arguments()
+        arguments.parse_inputs(func._schema, args, kwargs, is_factory=is_factory)
+        inputs = {t.data_ptr() for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        outputs = func(*args, **kwargs)
+        for tensor in torch.utils._pytree.tree_leaves(outputs):
+            # Fresh memory: what the CUDA allocator's trace would announce to the sanitizer.
+            if self.on_device(tensor) and tensor.data_ptr() and tensor.data_ptr() not in inputs:
+                self.handler._handle_memory_allocation(tensor.data_ptr())
+        arguments.parse_outputs(func._schema, outputs, is_factory=is_factory)
+        self.errors += self.handler._handle_kernel_launch(
+            self.stream(),
+            arguments.dataptrs_read - arguments.dataptrs_written,
+            arguments.dataptrs_written,
+            arguments.outputs,
+            func._schema,
+            arguments.tensor_aliases,
+        )
+        return outputs
+
+
+@pytest.fixture
+def sanitizer(accelerator, monkeypatch):
+    replay = SanitizerReplay(accelerator)
+    from hf_offload.benchmarks.standin import StandInStream
+
+    record_event, wait_event = StandInStream.record_event, StandInStream.wait_event
+
+    def replayed_record(stream):
+        event = record_event(stream)
+        replay.record(event.id, stream.name)
+        return event
+
+    def replayed_wait(stream, event):
+        wait_event(stream, event)
+        replay.wait(event.id, stream.name)
+
+    monkeypatch.setattr(StandInStream, "record_event", replayed_record)
+    monkeypatch.setattr(StandInStream, "wait_event", replayed_wait)
+    return replay
+
+
+def sanitized_step(sanitizer, checkpointing: bool = False, **options) -> list:
+    """One training step after a first one (the pool's buffers exist), under the sanitizer."""
+    model = tiny_model("llama", num_hidden_layers=4)
+    enable_sim(model, **options)
+    if checkpointing:
+        model.activation_checkpointing_enable()
+    train_step(model, batch())
+    with sanitizer:
+        train_step(model, batch(seed=2))
+    assert model.activation_offloading_stats().offloaded_tensors > 0
+    return sanitizer.errors
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_the_cuda_stream_sanitizer_finds_no_race(sanitizer, checkpointing):
+    assert sanitized_step(sanitizer, checkpointing) == []
+
+
+def test_the_sanitizer_replay_catches_views_made_on_the_copy_stream(sanitizer, monkeypatch):
+    """Companion: copies that make their byte views on the copy stream (as
+    `UntypedStorage.copy_` does inside: a set_, a write for the sanitizer) race with the next
+    layer's reads of a storage both layers save (the rotary cos/sin)."""
+
+    def views_on_the_copy_stream(self, pairs):
+        with self.copy_stream:
+            for dst, src in pairs:
+                if src.untyped_storage().data_ptr() not in sanitizer.accelerator.pinned_storages:  # a copy out
+                    src = streams_module.flat_bytes(src.untyped_storage())
+                dst.copy_(src, non_blocking=True)
+
+    monkeypatch.setattr(streams_module.AcceleratorStreams, "copy_async", views_on_the_copy_stream)
+    errors = sanitized_step(sanitizer)
+    assert any(str(error.previous_access.operator.name) == "aten::set_" for error in errors), errors
 
 
 SYNCHRONISING = ("pinned_alloc", "synchronize", "query", "empty_host_cache", "item")
@@ -307,3 +441,12 @@ def test_trimming_the_pool_survives_a_backend_without_host_cache(accelerator, mo
     streams = streams_module.AcceleratorStreams(torch.device("cpu"))
     streams.empty_host_cache()  # logged at debug level, never raised
     assert calls == [1]
+
+
+def test_the_sanitizer_replay_catches_a_view_made_after_the_event(sanitizer, monkeypatch):
+    """Companion: the order the H200's sanitizer run failed on (a byte view of each source made
+    on the compute stream after the event), seen by the replayed sanitizer too."""
+    views_again = views_made_after_the_event(sanitizer.accelerator)
+    monkeypatch.setattr(streams_module.AcceleratorStreams, "copy_async", views_again)
+    errors = sanitized_step(sanitizer)
+    assert any(str(error.current_access.operator.name) == "aten::copy_" for error in errors), errors

@@ -244,9 +244,16 @@ def test_data_parallel_replicas_run_their_own_weights():
     model = tiny_model()
     enable_sim(model)
     layer = model.model.layers[0]
+    train_step(model, batch())  # the slot has found where the layer's parameters are
     replica = layer._replicate_for_data_parallel()
     assert replica.forward.__self__ is replica, "a replica's forward must not run the original layer"
     assert replica._replicate_for_data_parallel().forward.__self__ is not layer
+    # The replica's own slot, reading the replica's parameters (on another GPU, under DataParallel).
+    slot, replica_slot = layer._hf_offload_layer, replica._hf_offload_layer
+    assert replica_slot is not slot and replica_slot.controller is slot.controller
+    assert replica_slot.position == slot.position
+    replica_slot.device(replica, (), {})
+    assert replica_slot._device_probe[0] in set(replica.modules())
     model.disable_activation_offloading()
     assert "_replicate_for_data_parallel" not in layer.__dict__
 

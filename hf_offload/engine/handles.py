@@ -77,7 +77,7 @@ class HostCopy:
         # Weak, for deduplication within a forward pass: identity, not address, since a storage
         # freed in this pass and a new one at the same address are different data.
         self.source_ref = weakref.ref(storage)
-        self.host: torch.UntypedStorage | None = None
+        self.host: torch.Tensor | None = None
         self.host_block: HostBuffer | None = None
         # Autograd cannot check versions through saved-tensor hooks. A detached view shares the
         # tensor's version counter, so an in-place change before the copy out has finished is

@@ -38,7 +38,7 @@ from .handles import HostCopy, HostLedger, OffloadedTensor
 from .planner import plan
 from .pool import HostPool, rounded_size
 from .stats import LifetimeCounters, OffloadStats, StepCounters
-from .streams import streams_for
+from .streams import flat_bytes, streams_for
 
 logger = logging.getLogger("hf_offload")
 
@@ -129,19 +129,20 @@ class DeviceContext:
             copy.host = host.view(copy.nbytes)
             host_bytes += host.size
             nbytes += copy.nbytes
-            pairs.append((copy.host, copy.source))
+            # The byte view of the source is made here, on the compute stream and before the event:
+            # making it (set_) is an access to the source, which the copy stream must be ordered
+            # after, and nothing may touch the source on the compute stream between the event
+            # and the copy (the CUDA stream sanitizer checks both).
+            pairs.append((copy.host, flat_bytes(copy.source)))
             placed.append(copy)
         if not placed:
             return None
         self.ledger.host_bytes += host_bytes
-        # Nothing may touch a source or a destination on the compute stream between this event and
-        # the copies (the CUDA stream sanitizer counts even making a view as an access): the copies
-        # go storage to storage, making their byte views on the copy stream.
         ordering.before_offload_copies(streams, streams.compute_stream())
         for copy in placed:
             if copy.version_probe._version != copy.version:
                 copy.modified = True
-        streams.copy_async(pairs, to_host=True)
+        streams.copy_async(pairs)
         batch = _InFlight(placed, streams.record(streams.copy_stream), nbytes)
         self.ledger.hold_device(nbytes)
         return batch
@@ -167,10 +168,10 @@ class DeviceContext:
         targets = [streams.device_buffer(copy.nbytes) for copy in todo]
         pairs = [(target, copy.host) for target, copy in zip(targets, todo, strict=True)]
         ordering.before_restore_copies(streams, streams.compute_stream())
-        streams.copy_async(pairs, to_host=False)
+        streams.copy_async(pairs)
         event = streams.record(streams.copy_stream)
         for target, copy in zip(targets, todo, strict=True):
-            copy.set_ahead(target, event)
+            copy.set_ahead(target.untyped_storage(), event)
         return len(todo)
 
 
@@ -389,6 +390,9 @@ class ActivationOffloader:
         # Kept layers' resident bytes, by group sequence, until backward has passed them.
         self._kept_resident: dict[int, int] = {}
         self._kept_resident_bytes = 0
+        # This step's layer calls: autograd's graph holds each group through its unpack hook, so
+        # a group alive means a graph of this step is alive (several forwards before a backward).
+        self._step_groups: weakref.WeakSet[LayerGroup] = weakref.WeakSet()
 
     def configure(
         self,
@@ -533,6 +537,7 @@ class ActivationOffloader:
                 self, context, device, self._sequence, position, keep, kept_reason, protected, self._last_group
             )
             self._last_group = weakref.ref(group)
+            self._step_groups.add(group)
         return group
 
     def exit_layer(self, group: LayerGroup, name: str) -> None:
@@ -553,9 +558,9 @@ class ActivationOffloader:
         self._note_resident()
         offloadable = not (group.keep and group.kept_reason == "kept_layer")
         step.layer_activation_bytes += group.offloaded_bytes + group.kept_bytes
-        self._pass_layers.append(
-            (group.offloaded_bytes + group.kept_bytes, group.offloaded_bytes + group.shared_bytes, offloadable)
-        )
+        # (bytes it saved, bytes it brought back or None when it kept them, offloadable)
+        restored = None if group.keep else group.offloaded_bytes + group.shared_bytes
+        self._pass_layers.append((group.offloaded_bytes + group.kept_bytes, restored, offloadable))
         # Earlier batches have had this whole layer's compute to finish; release their sources.
         while len(self._in_flight) > (1 if batch is not None else 0):
             owner, batch = self._in_flight.popleft()
@@ -588,11 +593,12 @@ class ActivationOffloader:
         self._learn_from_last_pass()
         # A new step begins after a backward, or when no graph of an earlier forward is alive
         # any more (it was dropped, or its backward failed before reaching a decoder layer).
-        if self._backward_since_step_start or self.ledger.copies_alive == 0:
+        if self._backward_since_step_start or not self._step_groups:
             self.step = StepCounters()
             self._backward_since_step_start = False
             self._kept_resident.clear()
             self._kept_resident_bytes = 0
+            self._step_groups = weakref.WeakSet()
         self.ledger.peak_device_bytes = self.ledger.device_bytes
         self._offloaded_this_pass.clear()
         self._kept_this_pass.clear()
@@ -608,7 +614,17 @@ class ActivationOffloader:
         if not layers or (self._bytes_per_token is not None and len(layers) < len(self._bytes_per_token)):
             return  # the pass stopped early (an exception in a layer): keep what a whole pass showed
         tokens = self._pass_tokens or 1
-        self._bytes_per_token = [(own / tokens, restored / tokens) for own, restored, _ in layers]
+        previous = self._bytes_per_token or []
+        rates = []
+        for position, (own, restored, _) in enumerate(layers):
+            if restored is None:
+                # A kept layer brought nothing back; were it offloaded, it would bring back at least
+                # its own bytes, and the shared copies seen when it last was.
+                earlier = previous[position][1] if position < len(previous) else 0.0
+                rates.append((own / tokens, max(own / tokens, earlier)))
+            else:
+                rates.append((own / tokens, restored / tokens))
+        self._bytes_per_token = rates
         self._offloadable_layers = sum(1 for *_, offloadable in layers if offloadable)
         self._measured_tokens = self._pass_tokens
 

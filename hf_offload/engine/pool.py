@@ -23,21 +23,22 @@ def rounded_size(nbytes: int) -> int:
 
 
 class HostBuffer:
-    """A pooled host buffer, with a view of its first bytes kept for the next copy of the same
-    size: in steady training every copy of a layer has the size it had the step before, and
-    making a view costs more than the copy's own bookkeeping."""
+    """A pooled host buffer (a 1-D uint8 tensor), with the view of its first bytes kept for the
+    next copy of the same size: in steady training every copy of a layer has the size it had the
+    step before, and making a view costs more than the copy's own bookkeeping. A slice of the
+    tensor, so the view keeps the buffer's own storage (what CUDA's pinned-memory allocator
+    tracks its blocks by)."""
 
     __slots__ = ("block", "size", "_view")
 
-    def __init__(self, block: torch.UntypedStorage, size: int) -> None:
+    def __init__(self, block: torch.Tensor, size: int) -> None:
         self.block, self.size = block, size
-        self._view: torch.UntypedStorage | None = None
+        self._view: torch.Tensor | None = None
 
-    def view(self, nbytes: int) -> torch.UntypedStorage:
+    def view(self, nbytes: int) -> torch.Tensor:
         view = self._view
-        if view is None or view.nbytes() != nbytes:
-            # StorageBase's own slicing: UntypedStorage.__getitem__ adds a Python-level device check.
-            view = self._view = torch._C.StorageBase.__getitem__(self.block, slice(0, nbytes))
+        if view is None or view.numel() != nbytes:
+            view = self._view = self.block[:nbytes]
         return view
 
 

@@ -1,9 +1,8 @@
 """The stream and event operations the engine issues, for a real accelerator and for the CPU.
 
 The engine only ever does these things: ask for the compute stream, record an event on a
-stream, make a stream wait for an event, enqueue byte copies between storages of equal size on
-the copy stream, and allocate device and host buffers (as untyped storages). Two
-implementations:
+stream, make a stream wait for an event, enqueue byte copies between 1-D uint8 tensors of equal
+size on the copy stream, and allocate device and host buffers. Two implementations:
 
 - `AcceleratorStreams`: CUDA first, and any device with `torch.Stream`/`torch.Event` support
   (XPU, NPU, ...) through the device-generic `torch.accelerator` API.
@@ -71,29 +70,30 @@ class AcceleratorStreams:
     def wait(self, stream, event) -> None:
         stream.wait_event(event)
 
-    def copy_async(self, pairs: list[tuple[torch.UntypedStorage, torch.UntypedStorage]], to_host: bool) -> None:
-        """Enqueue dst.copy_(src) for each pair of storages of equal size on the copy stream.
-        Storage to storage: the byte views each copy needs are made inside it, on the copy
-        stream, so the compute stream never touches a source or destination after the event
-        the copy stream waited on."""
+    def copy_async(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Enqueue dst.copy_(src) for each pair on the copy stream. The pairs are byte views made
+        beforehand, on the compute stream and before the event the copy stream waited on: the
+        copy stream only reads its sources and writes its destinations (a view made on it, a
+        set_, would count as a write to the source for the CUDA stream sanitizer, racing with the
+        next layer's reads of a storage it saves too)."""
         with self.copy_stream:
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=True)
 
-    def device_buffer(self, nbytes: int) -> torch.UntypedStorage:
+    def device_buffer(self, nbytes: int) -> torch.Tensor:
         # Allocated on the compute stream, which owns the memory; the copy stream writes into it
         # only after waiting for the compute stream, and the compute stream reads it only after
         # waiting for the copy.
-        return torch.empty(nbytes, dtype=torch.uint8, device=self.device).untyped_storage()
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def empty_host_cache(self) -> None:
         # torch caches freed pinned blocks itself; dropping our references alone frees nothing.
         _empty_host_cache()
 
-    def host_buffer(self, nbytes: int) -> torch.UntypedStorage:
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
         if self.pinned:
             try:
-                return pinned_empty(nbytes).untyped_storage()
+                return pinned_empty(nbytes)
             except RuntimeError as error:
                 self.pinned = False
                 # The message, not the exception: a handler that keeps log records (pytest's
@@ -104,7 +104,7 @@ class AcceleratorStreams:
                     "so copies to the host block the CPU until they finish",
                     str(error),
                 )
-        return torch.empty(nbytes, dtype=torch.uint8).untyped_storage()
+        return torch.empty(nbytes, dtype=torch.uint8)
 
 
 class _SimStream:
@@ -126,16 +126,15 @@ class _SimEvent:
 
 
 class _SimCopy:
-    __slots__ = ("dst", "src", "ordered")
+    __slots__ = ("dst", "dst_offset", "src", "src_offset", "nbytes", "ordered")
 
-    def __init__(self, dst: torch.UntypedStorage, src: torch.UntypedStorage, to_host: bool, ordered: bool) -> None:
-        # The device side weakly: a copy must not keep device memory alive; the engine has to.
-        # The host side (a slice of a pooled buffer) strongly: the pool, not the slice, owns
-        # that memory, and reusing it is ordered by the copy stream itself.
-        if to_host:
-            self.dst, self.src = (lambda: dst), weakref.ref(src)
-        else:
-            self.dst, self.src = weakref.ref(dst), (lambda: src)
+    def __init__(self, dst: torch.Tensor, src: torch.Tensor, ordered: bool) -> None:
+        # Weak: a copy must not keep its memory alive; the engine has to. (A host view's storage
+        # is its pooled buffer's, which the pool keeps.)
+        self.dst = weakref.ref(dst.untyped_storage())
+        self.src = weakref.ref(src.untyped_storage())
+        self.dst_offset, self.src_offset = dst.storage_offset(), src.storage_offset()
+        self.nbytes = dst.numel()
         self.ordered = ordered
 
     def run(self, violations: list[str]) -> None:
@@ -143,9 +142,9 @@ class _SimCopy:
         if dst is None:
             violations.append("a copy wrote into memory that had already been freed")
             return
-        target = flat_bytes(dst)
+        target = flat_bytes(dst)[self.dst_offset : self.dst_offset + self.nbytes]
         if self.ordered and src is not None:
-            target.copy_(flat_bytes(src))
+            target.copy_(flat_bytes(src)[self.src_offset : self.src_offset + self.nbytes])
         else:
             target.fill_(GARBAGE_BYTE)
 
@@ -188,22 +187,22 @@ class SimulatedStreams:
         elif stream is self.compute and not event.on_compute:
             self._run_until(event.sequence)  # the eager compute stream cannot go on before it
 
-    def copy_async(self, pairs: list[tuple[torch.UntypedStorage, torch.UntypedStorage]], to_host: bool) -> None:
+    def copy_async(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         ordered = self.copy_stream.caught_up_to >= self.clock
         for dst, src in pairs:
-            self.queued.append(_SimCopy(dst, src, to_host, ordered))
+            self.queued.append(_SimCopy(dst, src, ordered))
             self.enqueued += 1
         if self.schedule == "eager":
             self._run_until(self.enqueued)
         else:
             self._maybe_progress()
 
-    def device_buffer(self, nbytes: int) -> torch.UntypedStorage:
+    def device_buffer(self, nbytes: int) -> torch.Tensor:
         self.clock += 1
-        return torch.full((nbytes,), GARBAGE_BYTE, dtype=torch.uint8).untyped_storage()
+        return torch.full((nbytes,), GARBAGE_BYTE, dtype=torch.uint8)
 
-    def host_buffer(self, nbytes: int) -> torch.UntypedStorage:
-        return torch.full((nbytes,), GARBAGE_BYTE, dtype=torch.uint8).untyped_storage()
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        return torch.full((nbytes,), GARBAGE_BYTE, dtype=torch.uint8)
 
     def empty_host_cache(self) -> None:
         pass
