@@ -481,6 +481,19 @@ DATASHEET_COMPUTE_DERATING = 0.80
 DATASHEET_LINK_DERATING = 0.86
 RESERVED_GIB = 1.4
 
+
+def _from_datasheet(name: str, tflops: float, link_gbps: float, memory_mib: int, memory_tbps: float, what: str):
+    """A device preset from vendor figures, derated as above."""
+    return Device(
+        name,
+        round(tflops * DATASHEET_COMPUTE_DERATING),
+        round(link_gbps * DATASHEET_LINK_DERATING, 1),
+        round(memory_mib / 1024 - RESERVED_GIB, 1),
+        memory_tbps,
+        f"datasheet ({what}), derated",
+    )
+
+
 DEVICES = {
     "h200": Device(
         "h200",
@@ -491,45 +504,23 @@ DEVICES = {
         "measured on our H200: bf16 8192^3 matmul, pinned copies each way, 143771 MiB total; "
         "memory bandwidth from the datasheet",
     ),
-    "h100-80gb": Device(
-        "h100-80gb",
-        round(989.4 * DATASHEET_COMPUTE_DERATING),
-        round(64 * DATASHEET_LINK_DERATING, 1),
-        round(81559 / 1024 - RESERVED_GIB, 1),
-        3.35,
-        "datasheet (H100 SXM 80GB: 989 TFLOP/s bf16 dense, PCIe gen 5 x16, 81559 MiB), derated",
+    "h100-80gb": _from_datasheet(
+        "h100-80gb", 989.4, 64, 81559, 3.35, "H100 SXM 80GB: 989 TFLOP/s bf16 dense, PCIe gen 5 x16, 81559 MiB"
     ),
-    "a100-80gb": Device(
-        "a100-80gb",
-        round(312 * DATASHEET_COMPUTE_DERATING),
-        round(32 * DATASHEET_LINK_DERATING, 1),
-        round(81920 / 1024 - RESERVED_GIB, 1),
-        2.04,
-        "datasheet (A100 80GB: 312 TFLOP/s bf16 dense, PCIe gen 4 x16, 81920 MiB), derated",
+    "a100-80gb": _from_datasheet(
+        "a100-80gb", 312, 32, 81920, 2.04, "A100 80GB: 312 TFLOP/s bf16 dense, PCIe gen 4 x16, 81920 MiB"
     ),
-    "a100-40gb": Device(
-        "a100-40gb",
-        round(312 * DATASHEET_COMPUTE_DERATING),
-        round(32 * DATASHEET_LINK_DERATING, 1),
-        round(40960 / 1024 - RESERVED_GIB, 1),
-        1.56,
-        "datasheet (A100 40GB: 312 TFLOP/s bf16 dense, PCIe gen 4 x16, 40960 MiB), derated",
+    "a100-40gb": _from_datasheet(
+        "a100-40gb", 312, 32, 40960, 1.56, "A100 40GB: 312 TFLOP/s bf16 dense, PCIe gen 4 x16, 40960 MiB"
     ),
-    "l40s": Device(
-        "l40s",
-        round(362 * DATASHEET_COMPUTE_DERATING),
-        round(32 * DATASHEET_LINK_DERATING, 1),
-        round(46068 / 1024 - RESERVED_GIB, 1),
-        0.864,
-        "datasheet (L40S: 362 TFLOP/s bf16 dense, PCIe gen 4 x16, 46068 MiB), derated",
-    ),
-    "rtx4090": Device(
+    "l40s": _from_datasheet("l40s", 362, 32, 46068, 0.864, "L40S: 362 TFLOP/s bf16 dense, PCIe gen 4 x16, 46068 MiB"),
+    "rtx4090": _from_datasheet(
         "rtx4090",
-        round(165.2 * DATASHEET_COMPUTE_DERATING),
-        round(32 * DATASHEET_LINK_DERATING, 1),
-        round(24564 / 1024 - RESERVED_GIB, 1),
+        165.2,
+        32,
+        24564,
         1.008,
-        "datasheet (RTX 4090: 165 TFLOP/s bf16 dense with fp32 accumulate, PCIe gen 4 x16, 24564 MiB), derated",
+        "RTX 4090: 165 TFLOP/s bf16 dense with fp32 accumulate, PCIe gen 4 x16, 24564 MiB",
     ),
 }
 

@@ -139,27 +139,23 @@ def test_slope_method_measures_two_lengths_and_verifies_once():
             return Record("m", length, "oom")
         return Record("m", length, "ok", peak_device_bytes=peak, offloaded_bytes=8 * length, step_seconds=1.0)
 
-    result = slope_max_seq(
-        measure,
-        lengths=(4096, 8192),
-        budget=5_000 + 300 * 70_000,
-        granularity=1024,
-        peak=lambda r: r.peak_device_bytes,
-        verify=True,
-    )
+    def predict(budget):
+        return slope_max_seq(
+            measure,
+            lengths=(4096, 8192),
+            budget=budget,
+            granularity=1024,
+            peak=lambda r: r.peak_device_bytes,
+            verify=True,
+        )
+
+    result = predict(5_000 + 300 * 70_000)
     assert calls == [(4096, False), (8192, False), (69_632, True)]
     assert result.status == "ok" and result.predicted_max_seq_len == 69_632
     assert (result.bytes_per_token, result.fixed_bytes) == (300, 5_000)
     assert result.predicted_offloaded_bytes == 8 * 69_632 and result.verify.status == "ok"
     # The same with a device that holds less than the fit says: the verification says so.
-    result = slope_max_seq(
-        measure,
-        lengths=(4096, 8192),
-        budget=5_000 + 300 * 80_000,
-        granularity=1024,
-        peak=lambda r: r.peak_device_bytes,
-        verify=True,
-    )
+    result = predict(5_000 + 300 * 80_000)
     assert result.verify.status == "oom" and result.status == "predicted length did not fit"
 
 

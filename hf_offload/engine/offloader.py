@@ -75,11 +75,6 @@ def views_a_parameter(tensor: torch.Tensor) -> bool:
     return base is not None and type(base) is not torch.Tensor and isinstance(base, torch.nn.Parameter)
 
 
-def _still(entry: weakref.ref[HostCopy], storage: torch.UntypedStorage, version: int) -> bool:
-    copy = entry()
-    return copy is not None and copy.matches(storage, version)
-
-
 def storage_ptrs(tensors: Iterable[torch.Tensor]) -> set[int]:
     ptrs = set()
     for tensor in tensors:
@@ -181,7 +176,6 @@ class LayerGroup:
     __slots__ = (
         "engine",
         "device",
-        "device_id",
         "device_index",
         "sequence",
         "position",
@@ -203,12 +197,12 @@ class LayerGroup:
         "__weakref__",
     )
 
-    def __init__(self, engine, device, device_id, sequence, position, keep, kept_reason, protected, prev) -> None:
+    def __init__(self, engine, device, torch_device, sequence, position, keep, kept_reason, protected, prev) -> None:
         self.engine = engine
         self.device = device
-        self.device_id = device_id  # the torch.device this layer runs on
-        # What Tensor.get_device() answers for it (-1 on the CPU): cheaper to compare than devices.
-        self.device_index = -1 if device_id.type == "cpu" else (device_id.index or 0)
+        # What Tensor.get_device() answers for this layer's device (-1 on the CPU): cheaper to
+        # compare than torch.device objects.
+        self.device_index = -1 if torch_device.type == "cpu" else (torch_device.index or 0)
         self.sequence = sequence
         self.position = position  # the layer call's index in its forward pass
         self.keep = keep  # the activations stay on the device
@@ -279,28 +273,27 @@ class LayerGroup:
             return tensor.detach()
         version = tensor._version
         entry = engine._offloaded_this_pass.get(ptr)
+        copy = entry() if entry is not None else None
+        if copy is not None and not copy.matches(storage, version):
+            copy = None  # another storage at the same address, or this one changed in place
         if self.keep:
             # Counted as this layer's resident bytes unless an earlier layer offloaded the storage:
             # a storage's bytes belong to the first layer that saved it, kept or offloaded alike,
             # so that a layer's measured bytes do not depend on what the plan did with it.
             kept = engine._kept_this_pass.get(ptr)
-            if (kept is None or kept[0]() is not storage or kept[1] != version) and not (
-                entry is not None and _still(entry, storage, version)
-            ):
+            if copy is None and (kept is None or kept[0]() is not storage or kept[1] != version):
                 engine._kept_this_pass[ptr] = (weakref.ref(storage), version)
                 self.kept_bytes += storage.nbytes()
             engine.step.keep(self.kept_reason, nbytes)
             return tensor.detach()
-        if entry is not None:
-            copy = entry()
-            if copy is not None and copy.matches(storage, version):
-                engine.step.keep("duplicate", nbytes)
-                if copy not in self.copies and copy not in self.shared:
-                    self.shared.append(copy)
-                    self.shared_bytes += copy.nbytes
-                handle = OffloadedTensor(copy, tensor)
-                self.saved[id(tensor)] = (tensor, version, handle)
-                return handle
+        if copy is not None:
+            engine.step.keep("duplicate", nbytes)
+            if copy not in self.copies and copy not in self.shared:
+                self.shared.append(copy)
+                self.shared_bytes += copy.nbytes
+            handle = OffloadedTensor(copy, tensor)
+            self.saved[id(tensor)] = (tensor, version, handle)
+            return handle
         storage_bytes = storage.nbytes()
         needed = rounded_size(storage_bytes)
         if engine.ledger.host_bytes + self.pending_bytes + needed > engine.max_host_bytes:
