@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import gc
 
 import torch
 from accelerate import Accelerator
@@ -100,6 +101,21 @@ def main() -> int:
     # first cuBLAS call.
     kernels = DeterministicKernels("cpu" if cpu else None) if compare else None
     accelerator = Accelerator(cpu=cpu, gradient_accumulation_steps=args.grad_accum)
+    try:
+        return run(accelerator, args, kernels)
+    finally:
+        # Tear down together, after the prepared models (DDP's reducer holds the process group and
+        # its pending work) are gone: otherwise a process sometimes aborts at exit ("terminate
+        # called without an active exception").
+        accelerator.free_memory()
+        gc.collect()
+        accelerator.wait_for_everyone()
+        accelerator.end_training()
+
+
+def run(accelerator: Accelerator, args: argparse.Namespace, kernels: DeterministicKernels | None) -> int:
+    """Train with offloading and, with --compare, without it; the exit status (the verdict's)."""
+    compare = kernels is not None
     accelerator.print(f"processes: {accelerator.num_processes}, device: {accelerator.device.type}")
     model = load_model(args)
     if kernels is not None:

@@ -14,6 +14,7 @@ not recognise yet (see docs/distributed.md).
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 
 import torch
@@ -86,8 +87,11 @@ def main() -> None:
             )
     if rank == 0:
         print(hf_offload.activation_offloading_stats(model).summary())
-    # Tear down together: a rank that destroys its gloo group while the other is still busy
-    # sometimes aborts at exit ("terminate called without an active exception").
+    # Tear down together, after FSDP's state (which holds the process group and its pending
+    # work) is gone: otherwise a rank sometimes aborts at exit ("terminate called without an
+    # active exception") when the last of it is destroyed after the group.
+    del model, optimizer, loss
+    gc.collect()
     dist.barrier()
     dist.destroy_process_group()
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import itertools
 import json
 import os
@@ -456,8 +457,10 @@ def main() -> None:
     if rank == 0:
         with open(args.out, "w") as handle:
             json.dump({"world_size": dist.get_world_size(), "ranks": gathered}, handle, indent=1)
-    # Tear down together: a rank that destroys its gloo group while the other is still busy
-    # sometimes aborts at exit ("terminate called without an active exception").
+    # Tear down together, after what the scenarios left (FSDP and DDP state hold the process
+    # group and its pending work) is gone: otherwise a rank sometimes aborts at exit ("terminate
+    # called without an active exception").
+    gc.collect()
     dist.barrier()
     dist.destroy_process_group()
 
