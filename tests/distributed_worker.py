@@ -288,13 +288,13 @@ def parameters_unprotected() -> Iterator[None]:
     see their copies (the companion of the parity scenarios' "no violations")."""
     from hf_offload.engine import offloader
 
-    originals = offloader.storage_ptrs, offloader.views_a_parameter
+    originals = offloader.storage_ptrs, offloader.PARAMETER_TYPES
     offloader.storage_ptrs = lambda tensors: set()
-    offloader.views_a_parameter = lambda tensor: False
+    offloader.PARAMETER_TYPES = ()
     try:
         yield
     finally:
-        offloader.storage_ptrs, offloader.views_a_parameter = originals
+        offloader.storage_ptrs, offloader.PARAMETER_TYPES = originals
 
 
 def scenario_unprotected(wrapper: str) -> dict:

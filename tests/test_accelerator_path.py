@@ -321,6 +321,7 @@ def test_the_sanitizer_replay_catches_views_made_on_the_copy_stream(sanitizer, m
             for dst, src in pairs:
                 if src.untyped_storage().data_ptr() not in sanitizer.accelerator.pinned_storages:  # a copy out
                     src = streams_module.flat_bytes(src.untyped_storage())
+                    dst = streams_module.flat_bytes(dst.untyped_storage())[: src.numel()]  # host memory
                 dst.copy_(src, non_blocking=True)
 
     monkeypatch.setattr(streams_module.AcceleratorStreams, "copy_async", views_on_the_copy_stream)

@@ -10,6 +10,7 @@ import torch
 
 from hf_offload.engine import ActivationOffloader
 from hf_offload.engine.handles import HostCopy
+from hf_offload.engine.streams import simulated_schedule
 
 
 def scope(engine, *, starts_pass=True, keep=False, protected=()):
@@ -139,6 +140,53 @@ def test_identity_guard_is_what_keeps_address_reuse_exact(monkeypatch):
     monkeypatch.setattr(HostCopy, "matches", lambda self, storage, version: self.version == version)
     grad, analytic = _reused_address_grad(new_engine())
     assert not torch.allclose(grad, analytic)
+
+
+def every_layout(x):
+    """Saved tensors of each layout the copy out tells apart. Copied as itself into a host view
+    of the same layout: a contiguous tensor over its whole storage. Copied as their storage's
+    bytes: a transpose and a channels-last tensor (dense but not contiguous), a slice at an
+    offset, an expanded (overlapping) view."""
+    contiguous = (x * 2).view(32, 32)
+    transposed = (x * 3).view(32, 32).t()
+    sliced = (x * 4)[16:]
+    expanded = (x * 5)[:32].view(1, 32).expand(8, 32)
+    image = (x * 6).view(1, 4, 16, 16).contiguous(memory_format=torch.channels_last)
+    return sum(part.sin().sum() for part in (contiguous, transposed, sliced, expanded, image))
+
+
+def sliced(x):
+    return (x * 4)[16:].sin().sum()
+
+
+@pytest.mark.parametrize("schedule", ["eager", "lazy", "random"])
+def test_every_layout_comes_back_exactly(monkeypatch, schedule):
+    made = []
+    init = HostCopy.__init__
+
+    def spy(self, tensor, *args):
+        init(self, tensor, *args)
+        made.append(self.whole)
+
+    monkeypatch.setattr(HostCopy, "__init__", spy)
+    engine = new_engine()
+    with simulated_schedule(schedule, seed=1):
+        assert torch.equal(run(every_layout), run(every_layout, engine))
+    assert engine.stats().offloaded_tensors == 5
+    assert sorted(made) == [False, False, False, False, True]
+
+
+def test_copying_a_view_at_an_offset_as_itself_would_be_caught(monkeypatch):
+    """Companion: a slice at an offset copied as itself (into a host view from the buffer's
+    start) comes back shifted when its storage is rebuilt from the host bytes."""
+    init = HostCopy.__init__
+
+    def always_whole(self, *args):
+        init(self, *args)
+        self.whole = True
+
+    monkeypatch.setattr(HostCopy, "__init__", always_whole)
+    assert not torch.equal(run(sliced), run(sliced, new_engine()))
 
 
 def test_protected_storages_and_views_of_them_stay():

@@ -372,7 +372,12 @@ def test_step_peak_per_token_matches_cpu_allocations(tuning, checkpointing, voca
     # part (it counts every gradient, an upper bound) can still decide it on a model this small.
     peak = step_peak(shape, seq_len=512, mode="checkpointing" if checkpointing else "none", **lora)
     assert peak.per_token_bytes == pytest.approx(slope, rel=0.10)
-    assert peak.phase.name.endswith(phase_running(running)), f"running at the peak: {running[:4]}"
+    # The phase running at the measured peak is one the model puts within 5% of its peak: where
+    # two phases are that close (the final norm's backward and the last layer's, without a loss
+    # head), which one wins depends on the CPU's kernels (seen on two machines).
+    running_phase = phase_running(running)
+    close = [phase.name for phase in peak.phases if phase.bytes_at(512) >= 0.95 * peak.peak_bytes]
+    assert any(name.endswith(running_phase) for name in close), f"running at the peak: {running[:4]}; {close}"
 
 
 def test_fp32_adapter_layer_phase_matches_cpu_allocations_plus_the_cpu_only_cast():

@@ -15,9 +15,15 @@ with and without offloading (alternately, on twin models), on both paths:
 
 The engine runs its accelerator code path (`AcceleratorStreams`) against stand-in streams and
 events that do nothing (`hf_offload.benchmarks.standin`), so what is timed is the engine's own
-Python, not a driver's. It prints, per layer call, the forward and backward CPU time without and
-with offloading, the difference, and their ratio; all measured in the same run, medians of
-`--steps` alternating pairs after warm-up, median of `--repeats` such measurements.
+Python, not a driver's. A third twin runs each decoder layer under bare saved-tensor hooks that
+keep every tensor (`pack` returns `tensor.data`, `unpack` returns it), without hf_offload: the
+floor any offloader built on Python saved-tensor hooks pays before it does any work (autograd
+calling into Python once per saved tensor, and the layer wrapper).
+
+It prints, per layer call, the forward and backward CPU time without offloading, what the bare
+hooks and what hf_offload add to it, and hf_offload's ratio to no offloading; all measured in
+the same run, medians of `--steps` alternating rounds after warm-up, median of `--repeats`
+such measurements.
 """
 
 from __future__ import annotations
@@ -58,9 +64,30 @@ def _step(model, ids) -> tuple[float, float]:
     return middle - start, end - middle
 
 
+def _keep(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.data
+
+
+def _same(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def with_bare_hooks(model) -> None:
+    """Run each decoder layer of `model` under saved-tensor hooks that keep every tensor."""
+    for layer in model.model.layers:
+        forward = layer.forward
+
+        def hooked(*args, _forward=forward, **kwargs):
+            with torch.autograd.graph.saved_tensors_hooks(_keep, _same):
+                return _forward(*args, **kwargs)
+
+        layer.forward = hooked
+
+
 def measure(path: str, *, layers: int, seq_len: int, steps: int, lora_rank: int | None) -> dict[str, float]:
-    """Per layer call: median forward and backward CPU time without and with offloading, from
-    `steps` pairs of steps run alternately (so that a slow spell of the machine hits both)."""
+    """Per layer call: median forward and backward CPU time without offloading, with bare hooks
+    and with offloading, from `steps` rounds of steps run alternately (so that a slow spell of
+    the machine hits all three)."""
     torch.manual_seed(0)
     plain = LlamaForCausalLM(LlamaConfig(num_hidden_layers=layers, **CONFIG)).train()
     if lora_rank:
@@ -69,20 +96,20 @@ def measure(path: str, *, layers: int, seq_len: int, steps: int, lora_rank: int 
         plain = get_peft_model(plain, LoraConfig(r=lora_rank, target_modules="all-linear")).get_base_model()
     if path == "checkpointing":
         set_checkpointing(plain, True)
-    offloaded = copy.deepcopy(plain)
+    offloaded, hooked = copy.deepcopy(plain), copy.deepcopy(plain)
+    with_bare_hooks(hooked)
     ids = torch.randint(CONFIG["vocab_size"], (1, seq_len), generator=torch.Generator().manual_seed(0))
-    samples = {key: [] for key in ("forward_plain", "forward_offloaded", "backward_plain", "backward_offloaded")}
+    variants = {"plain": plain, "hooks": hooked, "offloaded": offloaded}
+    samples = {f"{phase}_{name}": [] for phase in ("forward", "backward") for name in variants}
     with stand_in_accelerator():
         hf_offload.enable_activation_offloading(offloaded, min_offload_bytes=0, simulate_on_cpu=True)
         for index in range(steps + 2):
-            gc.collect()
-            forward_plain, backward_plain = _step(plain, ids)
-            forward_offloaded, backward_offloaded = _step(offloaded, ids)
-            if index >= 2:  # warm-up: first calls, the host pool's first buffers
-                samples["forward_plain"].append(forward_plain)
-                samples["forward_offloaded"].append(forward_offloaded)
-                samples["backward_plain"].append(backward_plain)
-                samples["backward_offloaded"].append(backward_offloaded)
+            for name, model in variants.items():
+                gc.collect()
+                forward, backward = _step(model, ids)
+                if index >= 2:  # warm-up: first calls, the host pool's first buffers
+                    samples[f"forward_{name}"].append(forward)
+                    samples[f"backward_{name}"].append(backward)
         stats = offloaded.activation_offloading_stats()
     result = {key: statistics.median(values) / layers for key, values in samples.items()}
     result["tensors_per_layer"] = stats.offloaded_tensors / max(stats.layers_offloaded, 1)
@@ -93,14 +120,14 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=60, help="pairs of steps (plain, offloaded) per measurement")
+    parser.add_argument("--steps", type=int, default=60, help="rounds of steps per measurement")
     parser.add_argument("--repeats", type=int, default=3, help="whole measurements; the median is shown")
     parser.add_argument("--lora-rank", type=int, default=8, help="rank of the LoRA rows (0: no LoRA rows)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}; Llama with {args.layers} tiny layers, {args.seq_len} tokens; per layer call, us")
-    print("| path | tensors offloaded per layer | forward plain | forward offloaded | added | ratio "
-          "| backward plain | backward offloaded | added | ratio |")  # fmt: skip
+    print("| path | tensors offloaded per layer | forward plain | bare hooks add | hf_offload adds | ratio "
+          "| backward plain | bare hooks add | hf_offload adds | ratio |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|")
     for path, lora_rank in [(p, r) for r in (None, args.lora_rank or None) for p in ("checkpointing", "full")][
         : 4 if args.lora_rank else 2
@@ -112,8 +139,8 @@ def main(argv=None) -> int:
         row = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
         cells = [path + (f" + LoRA r={lora_rank}" if lora_rank else ""), f"{row['tensors_per_layer']:.0f}"]
         for phase in ("forward", "backward"):
-            plain, offloaded = row[f"{phase}_plain"], row[f"{phase}_offloaded"]
-            cells += [f"{plain * 1e6:.0f}", f"{offloaded * 1e6:.0f}", f"{(offloaded - plain) * 1e6:.0f}",
+            plain, hooks, offloaded = (row[f"{phase}_{name}"] for name in ("plain", "hooks", "offloaded"))
+            cells += [f"{plain * 1e6:.0f}", f"{(hooks - plain) * 1e6:.0f}", f"{(offloaded - plain) * 1e6:.0f}",
                       f"{offloaded / plain:.2f}x"]  # fmt: skip
         print("| " + " | ".join(cells) + " |", flush=True)
     return 0

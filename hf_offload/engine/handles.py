@@ -39,9 +39,11 @@ class HostCopy:
     `OffloadedTensor` pointing at it.
 
     `source` is the device storage until its copy out has completed and been released;
-    `host` is a view of the first `nbytes` bytes of the pooled host buffer `host_block` once
-    the copy out has been queued; `_ahead` is the device storage brought back ahead of need, with the event
-    of that copy.
+    `host_block` is the pooled host buffer once the copy out has been queued, its first `nbytes`
+    bytes the storage's; `_ahead` is the device storage brought back ahead of need, with the event
+    of that copy. `whole`: the saved tensor is dense over its whole storage from offset 0, so the
+    copy out copies the tensor itself (through `version_probe`) into a host view of the same
+    layout, and no byte view of the source is needed.
     """
 
     __slots__ = (
@@ -51,9 +53,9 @@ class HostCopy:
         "storage_offset",
         "shape",
         "stride",
+        "whole",
         "source",
         "source_ref",
-        "host",
         "host_block",
         "version",
         "version_probe",
@@ -66,25 +68,36 @@ class HostCopy:
         "__weakref__",
     )
 
-    def __init__(self, tensor: torch.Tensor, storage: torch.UntypedStorage, nbytes: int, host_size: int, device):
+    def __init__(
+        self,
+        tensor: torch.Tensor,
+        storage: torch.UntypedStorage,
+        nbytes: int,
+        host_size: int,
+        device,
+        version: int,
+        storage_offset: int,
+        whole: bool,
+    ) -> None:
+        # Counted in `ledger.copies_alive` by the layer that made it, when the layer returns.
         self.nbytes = nbytes
         self.host_size = host_size  # the pooled buffer it needs: rounded_size(nbytes)
         self.dtype = tensor.dtype
-        self.storage_offset = tensor.storage_offset()
+        self.storage_offset = storage_offset
         self.shape = tensor.shape
         self.stride = tensor.stride()
+        self.whole = whole
         self.source: torch.UntypedStorage | None = storage
         # Weak, for deduplication within a forward pass: identity, not address, since a storage
         # freed in this pass and a new one at the same address are different data.
         self.source_ref = weakref.ref(storage)
-        self.host: torch.Tensor | None = None
         self.host_block: HostBuffer | None = None
         # Autograd cannot check versions through saved-tensor hooks. A detached view shares the
         # tensor's version counter, so an in-place change before the copy out has finished is
         # caught here and reported on unpack, as autograd itself would. Not the tensor itself: a
         # saved output would lead back here through its grad_fn, a cycle Python's collector
         # cannot see through autograd's C++ graph.
-        self.version = tensor._version
+        self.version = version
         self.version_probe: torch.Tensor | None = tensor.detach()
         self.modified = False
         self._device = device  # the DeviceContext: streams, pool, ledger
@@ -94,7 +107,6 @@ class HostCopy:
         # Weak, so views unpacked by different backward nodes share one restored storage while
         # any of them is alive, without this object keeping device memory alive.
         self._restored: weakref.ref[torch.UntypedStorage] | None = None
-        device.ledger.copies_alive += 1
 
     def matches(self, storage: torch.UntypedStorage, version: int) -> bool:
         """Whether saving `storage` at `version` again can reuse this copy: the same storage

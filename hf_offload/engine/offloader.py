@@ -67,12 +67,9 @@ def in_backward() -> bool:
     return current_backward_id() != -1
 
 
-def views_a_parameter(tensor: torch.Tensor) -> bool:
-    """A view of a parameter (autograd's linear saves weight.t(); FSDP1's layer weights are views
-    of its flat parameter): kept without looking at storages. Tensors sharing a parameter's
-    storage any other way are found by `storage_ptrs` of the parameters."""
-    base = tensor._base
-    return base is not None and type(base) is not torch.Tensor and isinstance(base, torch.nn.Parameter)
+# What a view's base must be for the view to be kept as a parameter, without a storage lookup (a
+# module global, so that a test can blind the engine to parameters).
+PARAMETER_TYPES: tuple[type, ...] = (torch.nn.Parameter,)
 
 
 def storage_ptrs(tensors: Iterable[torch.Tensor]) -> set[int]:
@@ -121,14 +118,16 @@ class DeviceContext:
                 engine.host_allocation_failed(copy, error)
                 continue
             copy.host_block = host
-            copy.host = host.view(copy.nbytes)
             host_bytes += host.size
             nbytes += copy.nbytes
-            # The byte view of the source is made here, on the compute stream and before the event:
-            # making it (set_) is an access to the source, which the copy stream must be ordered
-            # after, and nothing may touch the source on the compute stream between the event
-            # and the copy (the CUDA stream sanitizer checks both).
-            pairs.append((copy.host, flat_bytes(copy.source)))
+            if copy.whole:
+                pairs.append((host.typed(copy.dtype, copy.shape, copy.stride), copy.version_probe))
+            else:
+                # The byte view of the source is made here, on the compute stream and before the
+                # event: making it (set_) is an access to the source, which the copy stream must
+                # be ordered after, and nothing may touch the source on the compute stream between
+                # the event and the copy (the CUDA stream sanitizer checks both).
+                pairs.append((host.view(copy.nbytes), flat_bytes(copy.source)))
             placed.append(copy)
         if not placed:
             return None
@@ -161,7 +160,7 @@ class DeviceContext:
             return 0
         streams = self.streams
         targets = [streams.device_buffer(copy.nbytes) for copy in todo]
-        pairs = [(target, copy.host) for target, copy in zip(targets, todo, strict=True)]
+        pairs = [(target, copy.host_block.view(copy.nbytes)) for target, copy in zip(targets, todo, strict=True)]
         ordering.before_restore_copies(streams, streams.compute_stream())
         streams.copy_async(pairs)
         event = streams.record(streams.copy_stream)
@@ -221,56 +220,70 @@ class LayerGroup:
         self.kept_bytes = 0  # storage bytes this kept layer holds on the device
         self.saved: dict[int, tuple[torch.Tensor, int, object]] = {}  # id -> (tensor, version, handle), this call
 
-    def is_protected(self, ptr: int) -> bool:
-        if self._protected is None:
-            self._protected = storage_ptrs(self._protected_source())
-            self._pass_protected = self.engine.pass_protected()
+    def protected_storages(self) -> set[int]:
+        """The storages of the layer's parameters and buffers and of the model's others, read on
+        the first tensor that needs them (after PEFT, dtype changes or sharding have run)."""
+        protected = self._protected
+        if protected is None:
+            protected = self._protected = storage_ptrs(self._protected_source()) | self.engine.pass_protected()
             self._protected_source = None
-        return ptr in self._protected or ptr in self._pass_protected
+        return protected
 
     def pack(self, tensor: torch.Tensor) -> object:
-        # Runs for every tensor every layer saves: each attribute read here is paid thousands of
-        # times a step, on the CPU that issues the GPU's work.
-        engine = self.engine
+        # Runs for every tensor every layer saves, on the CPU that issues the GPU's work: each
+        # call into torch or Python here is paid thousands of times a step, so the common cases
+        # come first and the statistics are counted inline. Kept tensors are returned as `.data`,
+        # an alias without autograd history: returning a saved *output* itself would make a
+        # reference cycle through its grad_fn that keeps the whole graph alive, and `.data` is the
+        # cheapest alias (autograd checks no versions through saved-tensor hooks either way).
         self.calls += 1
-        nbytes = tensor.nbytes
+        kept = self.engine.step.kept_tensors
         # The same tensor saved again by this layer (a norm's output feeding q, k and v; the
         # rotary cos/sin used four times) gets the same handle. The tensor is held until the layer
         # returns, so its id cannot be reused by another one meanwhile.
         again = self.saved.get(id(tensor))
         if again is not None and again[0] is tensor and again[1] == tensor._version:
-            engine.step.keep("duplicate", nbytes)
+            kept["duplicate"] += 1
+            self.engine.step.kept_bytes["duplicate"] += tensor.nbytes
             return again[2]
         if type(tensor) is not torch.Tensor:
             # A Parameter is kept as itself, as autograd keeps a saved leaf without hooks (a leaf
             # has no grad_fn, so no reference cycle): DeepSpeed ZeRO-3 frees a gathered weight by
-            # replacing param.data, and a detached alias would keep it alive until backward.
-            if isinstance(tensor, torch.nn.Parameter):
-                engine.step.keep("parameter", nbytes)
-                return tensor
-            engine.step.keep("unsupported", nbytes)
-            return tensor.detach()
-        # Kept tensors are returned detached: returning a saved *output* itself would make a
-        # reference cycle through its grad_fn that keeps the whole graph alive.
+            # replacing param.data, and an alias would keep it alive until backward.
+            reason = "parameter" if isinstance(tensor, torch.nn.Parameter) else "unsupported"
+            kept[reason] += 1
+            self.engine.step.kept_bytes[reason] += tensor.nbytes
+            return tensor if reason == "parameter" else tensor.detach()
+        base = tensor._base
+        if base is not None and type(base) is not torch.Tensor and isinstance(base, PARAMETER_TYPES):
+            # A view of a parameter: what linear layers save (weight.t()), and FSDP1's layer
+            # weights (views of its flat parameter). Other tensors sharing a parameter's storage
+            # are found by `protected_storages`.
+            kept["parameter"] += 1
+            self.engine.step.kept_bytes["parameter"] += tensor.nbytes
+            return tensor.data
+        engine = self.engine
+        nbytes = tensor.nbytes
         if (
             tensor.get_device() != self.device_index
             or tensor.layout is not _STRIDED
             or tensor.is_conj()
             or tensor.is_neg()
         ):
-            engine.step.keep("unsupported", nbytes)
-            return tensor.detach()
-        if views_a_parameter(tensor):  # what linear layers save: weight.t()
-            engine.step.keep("parameter", nbytes)
+            kept["unsupported"] += 1
+            engine.step.kept_bytes["unsupported"] += nbytes
             return tensor.detach()
         if nbytes < engine.min_offload_bytes or nbytes == 0:
-            engine.step.keep("too_small", nbytes)
-            return tensor.detach()
+            kept["too_small"] += 1
+            engine.step.kept_bytes["too_small"] += nbytes
+            return tensor.data
         storage = tensor.untyped_storage()
         ptr = storage.data_ptr()
-        if self.is_protected(ptr):
-            engine.step.keep("parameter", nbytes)
-            return tensor.detach()
+        protected = self._protected
+        if ptr in (protected if protected is not None else self.protected_storages()):
+            kept["parameter"] += 1
+            engine.step.kept_bytes["parameter"] += nbytes
+            return tensor.data
         version = tensor._version
         entry = engine._offloaded_this_pass.get(ptr)
         copy = entry() if entry is not None else None
@@ -280,14 +293,16 @@ class LayerGroup:
             # Counted as this layer's resident bytes unless an earlier layer offloaded the storage:
             # a storage's bytes belong to the first layer that saved it, kept or offloaded alike,
             # so that a layer's measured bytes do not depend on what the plan did with it.
-            kept = engine._kept_this_pass.get(ptr)
-            if copy is None and (kept is None or kept[0]() is not storage or kept[1] != version):
+            resident = engine._kept_this_pass.get(ptr)
+            if copy is None and (resident is None or resident[0]() is not storage or resident[1] != version):
                 engine._kept_this_pass[ptr] = (weakref.ref(storage), version)
                 self.kept_bytes += storage.nbytes()
-            engine.step.keep(self.kept_reason, nbytes)
-            return tensor.detach()
+            kept[self.kept_reason] += 1
+            engine.step.kept_bytes[self.kept_reason] += nbytes
+            return tensor.data
         if copy is not None:
-            engine.step.keep("duplicate", nbytes)
+            kept["duplicate"] += 1
+            engine.step.kept_bytes["duplicate"] += nbytes
             if copy not in self.copies and copy not in self.shared:
                 self.shared.append(copy)
                 self.shared_bytes += copy.nbytes
@@ -298,17 +313,19 @@ class LayerGroup:
         needed = rounded_size(storage_bytes)
         if engine.ledger.host_bytes + self.pending_bytes + needed > engine.max_host_bytes:
             engine.over_budget(needed, self.pending_bytes)
-            engine.step.keep("over_budget", nbytes)
+            kept["over_budget"] += 1
+            engine.step.kept_bytes["over_budget"] += nbytes
             return tensor.detach()
-        copy = HostCopy(tensor, storage, storage_bytes, needed, self.device)
+        # A dense tensor over its whole storage (most activations) is copied as itself into a
+        # host view of the same layout: no byte view of the source to make.
+        offset = tensor.storage_offset()
+        whole = nbytes == storage_bytes and offset == 0 and tensor.is_contiguous()
+        copy = HostCopy(tensor, storage, storage_bytes, needed, self.device, version, offset, whole)
         self.copies.append(copy)
         self.pending_bytes += needed
         self.offloaded_bytes += storage_bytes
         # Weak: the entry must keep neither the copy nor, through it, host memory alive.
         engine._offloaded_this_pass[ptr] = weakref.ref(copy)
-        step = engine.step
-        step.offloaded_tensors += 1
-        step.offloaded_bytes += storage_bytes
         self.saved[id(tensor)] = (tensor, version, copy)
         return copy
 
@@ -541,6 +558,11 @@ class ActivationOffloader:
         group.saved = {}  # let go of the tensors saved (the layer's own references are what count)
         self.lifetime.pack_calls += group.calls
         step = self.step
+        # Counted here rather than per tensor in the pack hook (a failed host allocation below
+        # takes its copy back out of the counts).
+        step.offloaded_tensors += len(group.copies)
+        step.offloaded_bytes += group.offloaded_bytes
+        self.ledger.copies_alive += len(group.copies)
         # Queued even when the layer raised: handles made before the error must stay valid.
         batch = context.offload_async(group.copies, self) if group.copies else None
         if batch is not None:

@@ -23,23 +23,34 @@ def rounded_size(nbytes: int) -> int:
 
 
 class HostBuffer:
-    """A pooled host buffer (a 1-D uint8 tensor), with the view of its first bytes kept for the
-    next copy of the same size: in steady training every copy of a layer has the size it had the
-    step before, and making a view costs more than the copy's own bookkeeping. A slice of the
-    tensor, so the view keeps the buffer's own storage (what CUDA's pinned-memory allocator
-    tracks its blocks by)."""
+    """A pooled host buffer (a 1-D uint8 tensor), with the views last made of it kept for the
+    next copy of the same size or layout: in steady training a layer's copies have the sizes and
+    layouts they had the step before, and making a view costs more than the copy's own
+    bookkeeping. Views of the tensor, so that they keep the buffer's own storage (what CUDA's
+    pinned-memory allocator tracks its blocks by)."""
 
-    __slots__ = ("block", "size", "_view")
+    __slots__ = ("block", "size", "_bytes", "_layout", "_typed")
 
     def __init__(self, block: torch.Tensor, size: int) -> None:
         self.block, self.size = block, size
-        self._view: torch.Tensor | None = None
+        self._bytes: torch.Tensor | None = None
+        self._layout: tuple | None = None
+        self._typed: torch.Tensor | None = None
 
     def view(self, nbytes: int) -> torch.Tensor:
-        view = self._view
+        """Its first `nbytes` bytes."""
+        view = self._bytes
         if view is None or view.numel() != nbytes:
-            view = self._view = self.block[:nbytes]
+            view = self._bytes = self.block[:nbytes]
         return view
+
+    def typed(self, dtype: torch.dtype, shape: torch.Size, stride: tuple[int, ...]) -> torch.Tensor:
+        """A tensor of this layout over its first bytes (the layout must be dense from offset 0)."""
+        layout = (dtype, shape, stride)
+        if self._layout != layout:
+            self._typed = self.block.view(dtype).as_strided(shape, stride)
+            self._layout = layout
+        return self._typed  # type: ignore[return-value]
 
 
 class HostPool:

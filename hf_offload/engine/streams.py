@@ -71,11 +71,12 @@ class AcceleratorStreams:
         stream.wait_event(event)
 
     def copy_async(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Enqueue dst.copy_(src) for each pair on the copy stream. The pairs are byte views made
-        beforehand, on the compute stream and before the event the copy stream waited on: the
-        copy stream only reads its sources and writes its destinations (a view made on it, a
-        set_, would count as a write to the source for the CUDA stream sanitizer, racing with the
-        next layer's reads of a storage it saves too)."""
+        """Enqueue dst.copy_(src) for each pair on the copy stream. The pairs (byte views, or a
+        dense tensor and a host view of the same layout) are made beforehand, on the compute
+        stream and before the event the copy stream waited on: the copy stream only reads its
+        sources and writes its destinations (a view made on it, a set_, would count as a write to
+        the source for the CUDA stream sanitizer, racing with the next layer's reads of a storage
+        it saves too)."""
         with self.copy_stream:
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=True)
@@ -131,10 +132,15 @@ class _SimCopy:
     def __init__(self, dst: torch.Tensor, src: torch.Tensor, ordered: bool) -> None:
         # Weak: a copy must not keep its memory alive; the engine has to. (A host view's storage
         # is its pooled buffer's, which the pool keeps.)
+        # The engine copies either byte views or a dense tensor into a view of the same layout:
+        # both are one run of bytes, copied as such.
         self.dst = weakref.ref(dst.untyped_storage())
         self.src = weakref.ref(src.untyped_storage())
-        self.dst_offset, self.src_offset = dst.storage_offset(), src.storage_offset()
-        self.nbytes = dst.numel()
+        self.dst_offset = dst.storage_offset() * dst.element_size()
+        self.src_offset = src.storage_offset() * src.element_size()
+        self.nbytes = dst.nbytes
+        if src.nbytes != self.nbytes:
+            raise ValueError(f"a copy of {src.nbytes} bytes into {self.nbytes}")
         self.ordered = ordered
 
     def run(self, violations: list[str]) -> None:
