@@ -8,8 +8,10 @@ import copy
 import pytest
 import torch
 
+from hf_offload.benchmarks.standin import stand_in_accelerator
 from hf_offload.engine import ActivationOffloader
 from hf_offload.engine.handles import HostCopy
+from hf_offload.engine.pool import HostBuffer
 from hf_offload.engine.streams import simulated_schedule
 
 
@@ -144,23 +146,29 @@ def test_identity_guard_is_what_keeps_address_reuse_exact(monkeypatch):
 
 def every_layout(x):
     """Saved tensors of each layout the copy out tells apart. Copied as itself into a host view
-    of the same layout: a contiguous tensor over its whole storage. Copied as their storage's
-    bytes: a transpose and a channels-last tensor (dense but not contiguous), a slice at an
-    offset, an expanded (overlapping) view."""
+    of the same layout: a contiguous float tensor over its whole storage. Copied as their
+    storage's bytes: a transpose and a channels-last tensor (dense but not contiguous), a slice
+    at an offset, an expanded (overlapping) view, and a bool mask (a dtype whose element-wise
+    copy is not a byte copy everywhere)."""
     contiguous = (x * 2).view(32, 32)
     transposed = (x * 3).view(32, 32).t()
     sliced = (x * 4)[16:]
     expanded = (x * 5)[:32].view(1, 32).expand(8, 32)
     image = (x * 6).view(1, 4, 16, 16).contiguous(memory_format=torch.channels_last)
-    return sum(part.sin().sum() for part in (contiguous, transposed, sliced, expanded, image))
+    masked = torch.where(x > 0, x, 0.0)  # saves the mask
+    parts = (contiguous, transposed, sliced, expanded, image)
+    return sum(part.sin().sum() for part in parts) + masked.sum()
 
 
 def sliced(x):
     return (x * 4)[16:].sin().sum()
 
 
-@pytest.mark.parametrize("schedule", ["eager", "lazy", "random"])
-def test_every_layout_comes_back_exactly(monkeypatch, schedule):
+@pytest.mark.parametrize("streams", ["eager", "lazy", "random", "accelerator"])
+def test_every_layout_comes_back_exactly(monkeypatch, streams):
+    """Under the race checker's three schedules, and on the accelerator code path against
+    stand-in streams (whose copies are torch's own `copy_` into the typed host views, where the
+    simulated streams copy runs of bytes)."""
     made = []
     init = HostCopy.__init__
 
@@ -170,10 +178,24 @@ def test_every_layout_comes_back_exactly(monkeypatch, schedule):
 
     monkeypatch.setattr(HostCopy, "__init__", spy)
     engine = new_engine()
-    with simulated_schedule(schedule, seed=1):
+    context = stand_in_accelerator() if streams == "accelerator" else simulated_schedule(streams, seed=1)
+    with context:
         assert torch.equal(run(every_layout), run(every_layout, engine))
-    assert engine.stats().offloaded_tensors == 5
-    assert sorted(made) == [False, False, False, False, True]
+    assert engine.stats().offloaded_tensors == 6
+    assert sorted(made) == [False] * 5 + [True]
+
+
+def test_a_host_view_of_another_layout_would_be_caught(monkeypatch):
+    """Companion: a host view whose strides differ from the tensor's (here transposed) scrambles
+    what the copy out writes, and the accelerator path's check sees it."""
+    typed = HostBuffer.typed
+
+    def transposed(self, dtype, shape, stride):
+        return typed(self, dtype, shape, stride).mT if len(shape) == 2 else typed(self, dtype, shape, stride)
+
+    monkeypatch.setattr(HostBuffer, "typed", transposed)
+    with stand_in_accelerator():
+        assert not torch.equal(run(every_layout), run(every_layout, new_engine()))
 
 
 def test_copying_a_view_at_an_offset_as_itself_would_be_caught(monkeypatch):

@@ -67,6 +67,23 @@ def in_backward() -> bool:
     return current_backward_id() != -1
 
 
+# Dtypes a tensor dense over its whole storage is copied in as itself (see `HostCopy.whole`).
+COPIED_AS_ITSELF = frozenset(
+    {
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.complex128,
+        torch.complex64,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+    }
+)
+
 # What a view's base must be for the view to be kept as a parameter, without a storage lookup (a
 # module global, so that a test can blind the engine to parameters).
 PARAMETER_TYPES: tuple[type, ...] = (torch.nn.Parameter,)
@@ -181,7 +198,6 @@ class LayerGroup:
         "keep",
         "kept_reason",
         "_protected",
-        "_pass_protected",
         "_protected_source",
         "copies",
         "shared",
@@ -206,8 +222,7 @@ class LayerGroup:
         self.position = position  # the layer call's index in its forward pass
         self.keep = keep  # the activations stay on the device
         self.kept_reason = kept_reason  # "kept_layer" (keep_last_layers) or "kept_for_budget"
-        self._protected: set[int] | None = None  # the layer's parameters and buffers, read on first need
-        self._pass_protected: set[int] | None = None  # the model's others, read once per pass
+        self._protected: set[int] | None = None  # the layer's and the model's parameters, read on first need
         self._protected_source = protected
         self.copies: list[HostCopy] = []
         self.shared: list[HostCopy] = []  # offloaded by an earlier group, saved here again
@@ -317,9 +332,10 @@ class LayerGroup:
             engine.step.kept_bytes["over_budget"] += nbytes
             return tensor.detach()
         # A dense tensor over its whole storage (most activations) is copied as itself into a
-        # host view of the same layout: no byte view of the source to make.
+        # host view of the same layout: no byte view of the source to make. Only for dtypes whose
+        # element-wise copy is a byte copy on every backend (not bool, sub-byte or quantized).
         offset = tensor.storage_offset()
-        whole = nbytes == storage_bytes and offset == 0 and tensor.is_contiguous()
+        whole = nbytes == storage_bytes and offset == 0 and tensor.dtype in COPIED_AS_ITSELF and tensor.is_contiguous()
         copy = HostCopy(tensor, storage, storage_bytes, needed, self.device, version, offset, whole)
         self.copies.append(copy)
         self.pending_bytes += needed
