@@ -15,6 +15,23 @@ import torch
 from . import ordering
 from .pool import HostBuffer
 
+# Dtypes a tensor dense over its whole storage is copied in as itself (see `HostCopy.whole`).
+COPIED_AS_ITSELF = frozenset(
+    {
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.complex128,
+        torch.complex64,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+    }
+)
+
 
 class HostLedger:
     """Host and device memory held by one offloader, for the statistics."""
@@ -71,22 +88,22 @@ class HostCopy:
     def __init__(
         self,
         tensor: torch.Tensor,
+        tensor_bytes: int,
         storage: torch.UntypedStorage,
         nbytes: int,
         host_size: int,
         device,
         version: int,
-        storage_offset: int,
-        whole: bool,
     ) -> None:
         # Counted in `ledger.copies_alive` by the layer that made it, when the layer returns.
-        self.nbytes = nbytes
+        self.nbytes = nbytes  # the storage's
         self.host_size = host_size  # the pooled buffer it needs: rounded_size(nbytes)
-        self.dtype = tensor.dtype
-        self.storage_offset = storage_offset
+        self.dtype = dtype = tensor.dtype
+        self.storage_offset = offset = tensor.storage_offset()
         self.shape = tensor.shape
         self.stride = tensor.stride()
-        self.whole = whole
+        # Only for dtypes whose element-wise copy is a byte copy on every backend.
+        self.whole = tensor_bytes == nbytes and offset == 0 and dtype in COPIED_AS_ITSELF and tensor.is_contiguous()
         self.source: torch.UntypedStorage | None = storage
         # Weak, for deduplication within a forward pass: identity, not address, since a storage
         # freed in this pass and a new one at the same address are different data.

@@ -67,23 +67,6 @@ def in_backward() -> bool:
     return current_backward_id() != -1
 
 
-# Dtypes a tensor dense over its whole storage is copied in as itself (see `HostCopy.whole`).
-COPIED_AS_ITSELF = frozenset(
-    {
-        torch.float64,
-        torch.float32,
-        torch.float16,
-        torch.bfloat16,
-        torch.complex128,
-        torch.complex64,
-        torch.int64,
-        torch.int32,
-        torch.int16,
-        torch.int8,
-        torch.uint8,
-    }
-)
-
 # What a view's base must be for the view to be kept as a parameter, without a storage lookup (a
 # module global, so that a test can blind the engine to parameters).
 PARAMETER_TYPES: tuple[type, ...] = (torch.nn.Parameter,)
@@ -246,36 +229,35 @@ class LayerGroup:
 
     def pack(self, tensor: torch.Tensor) -> object:
         # Runs for every tensor every layer saves, on the CPU that issues the GPU's work: each
-        # call into torch or Python here is paid thousands of times a step, so the common cases
-        # come first and the statistics are counted inline. Kept tensors are returned as `.data`,
-        # an alias without autograd history: returning a saved *output* itself would make a
-        # reference cycle through its grad_fn that keeps the whole graph alive, and `.data` is the
-        # cheapest alias (autograd checks no versions through saved-tensor hooks either way).
+        # call into torch here is paid thousands of times a step, so the common cases come first.
+        # Kept tensors are returned as `.data`, an alias without autograd history: returning a
+        # saved *output* itself would make a reference cycle through its grad_fn that keeps the
+        # whole graph alive, and `.data` is the cheapest alias (autograd checks no versions
+        # through saved-tensor hooks either way).
         self.calls += 1
-        kept = self.engine.step.kept_tensors
+        keep = self.engine.step.keep
         # The same tensor saved again by this layer (a norm's output feeding q, k and v; the
         # rotary cos/sin used four times) gets the same handle. The tensor is held until the layer
         # returns, so its id cannot be reused by another one meanwhile.
         again = self.saved.get(id(tensor))
         if again is not None and again[0] is tensor and again[1] == tensor._version:
-            kept["duplicate"] += 1
-            self.engine.step.kept_bytes["duplicate"] += tensor.nbytes
+            keep("duplicate", tensor.nbytes)
             return again[2]
         if type(tensor) is not torch.Tensor:
             # A Parameter is kept as itself, as autograd keeps a saved leaf without hooks (a leaf
             # has no grad_fn, so no reference cycle): DeepSpeed ZeRO-3 frees a gathered weight by
             # replacing param.data, and an alias would keep it alive until backward.
-            reason = "parameter" if isinstance(tensor, torch.nn.Parameter) else "unsupported"
-            kept[reason] += 1
-            self.engine.step.kept_bytes[reason] += tensor.nbytes
-            return tensor if reason == "parameter" else tensor.detach()
+            if isinstance(tensor, torch.nn.Parameter):
+                keep("parameter", tensor.nbytes)
+                return tensor
+            keep("unsupported", tensor.nbytes)
+            return tensor.detach()
         base = tensor._base
         if base is not None and type(base) is not torch.Tensor and isinstance(base, PARAMETER_TYPES):
             # A view of a parameter: what linear layers save (weight.t()), and FSDP1's layer
             # weights (views of its flat parameter). Other tensors sharing a parameter's storage
             # are found by `protected_storages`.
-            kept["parameter"] += 1
-            self.engine.step.kept_bytes["parameter"] += tensor.nbytes
+            keep("parameter", tensor.nbytes)
             return tensor.data
         engine = self.engine
         nbytes = tensor.nbytes
@@ -285,19 +267,16 @@ class LayerGroup:
             or tensor.is_conj()
             or tensor.is_neg()
         ):
-            kept["unsupported"] += 1
-            engine.step.kept_bytes["unsupported"] += nbytes
+            keep("unsupported", nbytes)
             return tensor.detach()
         if nbytes < engine.min_offload_bytes or nbytes == 0:
-            kept["too_small"] += 1
-            engine.step.kept_bytes["too_small"] += nbytes
+            keep("too_small", nbytes)
             return tensor.data
         storage = tensor.untyped_storage()
         ptr = storage.data_ptr()
         protected = self._protected
         if ptr in (protected if protected is not None else self.protected_storages()):
-            kept["parameter"] += 1
-            engine.step.kept_bytes["parameter"] += nbytes
+            keep("parameter", nbytes)
             return tensor.data
         version = tensor._version
         entry = engine._offloaded_this_pass.get(ptr)
@@ -312,12 +291,10 @@ class LayerGroup:
             if copy is None and (resident is None or resident[0]() is not storage or resident[1] != version):
                 engine._kept_this_pass[ptr] = (weakref.ref(storage), version)
                 self.kept_bytes += storage.nbytes()
-            kept[self.kept_reason] += 1
-            engine.step.kept_bytes[self.kept_reason] += nbytes
+            keep(self.kept_reason, nbytes)
             return tensor.data
         if copy is not None:
-            kept["duplicate"] += 1
-            engine.step.kept_bytes["duplicate"] += nbytes
+            keep("duplicate", nbytes)
             if copy not in self.copies and copy not in self.shared:
                 self.shared.append(copy)
                 self.shared_bytes += copy.nbytes
@@ -328,15 +305,9 @@ class LayerGroup:
         needed = rounded_size(storage_bytes)
         if engine.ledger.host_bytes + self.pending_bytes + needed > engine.max_host_bytes:
             engine.over_budget(needed, self.pending_bytes)
-            kept["over_budget"] += 1
-            engine.step.kept_bytes["over_budget"] += nbytes
+            keep("over_budget", nbytes)
             return tensor.detach()
-        # A dense tensor over its whole storage (most activations) is copied as itself into a
-        # host view of the same layout: no byte view of the source to make. Only for dtypes whose
-        # element-wise copy is a byte copy on every backend (not bool, sub-byte or quantized).
-        offset = tensor.storage_offset()
-        whole = nbytes == storage_bytes and offset == 0 and tensor.dtype in COPIED_AS_ITSELF and tensor.is_contiguous()
-        copy = HostCopy(tensor, storage, storage_bytes, needed, self.device, version, offset, whole)
+        copy = HostCopy(tensor, nbytes, storage, storage_bytes, needed, self.device, version)
         self.copies.append(copy)
         self.pending_bytes += needed
         self.offloaded_bytes += storage_bytes
