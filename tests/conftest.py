@@ -52,6 +52,19 @@ def batch(seed: int = 1, batch_size: int = BATCH, seq: int = SEQ) -> torch.Tenso
     return torch.randint(0, VOCAB, (batch_size, seq), generator=generator)
 
 
+class RandomTokens(torch.utils.data.Dataset):
+    """`count` single-sequence examples of random tokens (labels = inputs), for Trainer tests."""
+
+    def __init__(self, count: int, seed: int) -> None:
+        self.ids = [batch(seed=seed + i, batch_size=1)[0] for i in range(count)]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[index], "labels": self.ids[index]}
+
+
 def loss_of(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=ids, labels=ids).loss
 
@@ -127,6 +140,25 @@ def twin(model: torch.nn.Module) -> torch.nn.Module:
 
 def collect() -> None:
     gc.collect()
+
+
+@pytest.fixture
+def deterministic_cuda_kernels():
+    """For the GPU parity tests: without it, cuBLAS and attention backward may reduce in a
+    different order from run to run, and two runs without offloading would already differ."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    yield
+    torch.use_deterministic_algorithms(False)
+
+
+def cuda_peak_bytes(step, model: torch.nn.Module, ids: torch.Tensor) -> int:
+    """The most device memory allocated during `step(model, ids)`."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    step(model, ids)
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated()
 
 
 @pytest.fixture(params=sorted(TINY_CONFIGS))

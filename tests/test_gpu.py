@@ -5,10 +5,10 @@ test again under PyTorch's CUDA stream sanitizer)."""
 from __future__ import annotations
 
 import copy
-import os
 
 import pytest
 import torch
+from conftest import cuda_peak_bytes
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_offload  # noqa: F401
@@ -17,17 +17,8 @@ from hf_offload.bench import set_checkpointing
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.usefixtures("deterministic_cuda_kernels"),
 ]
-
-
-@pytest.fixture(autouse=True)
-def deterministic_kernels():
-    # Without it, cuBLAS and attention backward may reduce in a different order from run to
-    # run, and two runs without offloading would already differ.
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    yield
-    torch.use_deterministic_algorithms(False)
 
 
 def llama(hidden=256, layers=4, vocab=1000, dtype=torch.float32, seed=0, attention="sdpa"):
@@ -75,11 +66,7 @@ def test_parity_on_cuda(checkpointing):
 
 
 def peak_bytes(model, ids):
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    step(model, ids)
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated()
+    return cuda_peak_bytes(step, model, ids)
 
 
 def test_peak_memory_drops():

@@ -5,10 +5,9 @@ tests/test_liger.py checks on the CPU what can be checked there."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from conftest import cuda_peak_bytes
 from liger_kernel.transformers import apply_liger_kernel_to_llama
 from peft import LoraConfig, get_peft_model
 from test_liger import transformers_restored
@@ -25,17 +24,14 @@ pytestmark = [
 
 
 @pytest.fixture(autouse=True)
-def deterministic_kernels():
-    # As in tests/test_gpu.py: cuBLAS (used by Liger's fused cross-entropy for its matmuls) and
-    # attention reduce in a fixed order. Liger's Triton kernels used here are deterministic by
-    # construction (RMSNorm's weight gradient is summed from per-program partials, not atomics;
-    # RoPE, SwiGLU and cross-entropy work row by row), and each parity test checks that two runs
-    # without offloading agree before comparing with offloading.
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True, warn_only=True)
+def deterministic_and_restored(deterministic_cuda_kernels):
+    # cuBLAS (used by Liger's fused cross-entropy for its matmuls) and attention reduce in a fixed
+    # order. Liger's Triton kernels used here are deterministic by construction (RMSNorm's weight
+    # gradient is summed from per-program partials, not atomics; RoPE, SwiGLU and cross-entropy
+    # work row by row), and each parity test checks that two runs without offloading agree
+    # before comparing with offloading.
     with transformers_restored():  # Liger replaces transformers' classes for the whole process
         yield
-    torch.use_deterministic_algorithms(False)
 
 
 def llama(hidden, layers, intermediate, vocab, attention, seed=0):
@@ -103,11 +99,7 @@ def test_parity_under_liger(checkpointing, tuning):
 
 
 def peak_bytes(model, ids):
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    step(model, ids)
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated()
+    return cuda_peak_bytes(step, model, ids)
 
 
 def test_offloading_lowers_the_peak_under_checkpointing_and_liger():

@@ -43,6 +43,7 @@ import pytest
 import torch
 from conftest import (
     VOCAB,
+    RandomTokens,
     assert_bit_identical,
     batch,
     enable_sim,
@@ -536,17 +537,6 @@ def test_flce_parity_check_catches_a_changed_gradient(torch_flce, monkeypatch):
 
 # ---------------------------------------------------------------------------------------------
 # TrainingArguments(use_liger_kernel=True): Trainer applies Liger in train()
-
-
-class RandomTokens(torch.utils.data.Dataset):
-    def __init__(self, count: int, seed: int) -> None:
-        self.ids = [batch(seed=seed + i, batch_size=1)[0] for i in range(count)]
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[index], "labels": self.ids[index]}
 
 
 class _Stop(Exception):

@@ -4,22 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import VOCAB, batch, quiet_training_args, tiny_model, twin
+from conftest import VOCAB, RandomTokens, quiet_training_args, tiny_model, twin
 from peft import LoraConfig, get_peft_model
 from transformers import Trainer, TrainingArguments
 
 import hf_offload
-
-
-class RandomTokens(torch.utils.data.Dataset):
-    def __init__(self, count, seed):
-        self.ids = [batch(seed=seed + i, batch_size=1)[0] for i in range(count)]
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, index):
-        return {"input_ids": self.ids[index], "labels": self.ids[index]}
 
 
 def run_trainer(model, tmp_path, checkpointing):

@@ -8,24 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import VOCAB, batch, enable_sim, quiet_training_args, run_example, tiny_model, twin
+from conftest import VOCAB, RandomTokens, enable_sim, quiet_training_args, run_example, tiny_model, twin
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 import hf_offload
 
 LAYERS = 3  # tiny_model's num_hidden_layers
-
-
-class RandomTokens(torch.utils.data.Dataset):
-    def __init__(self, count: int, seed: int) -> None:
-        self.ids = [batch(seed=seed + i, batch_size=1)[0] for i in range(count)]
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[index], "labels": self.ids[index]}
 
 
 def with_lora(model: torch.nn.Module) -> PeftModel:
