@@ -1,8 +1,9 @@
 """The stream and event operations the engine issues, for a real accelerator and for the CPU.
 
 The engine only ever does these things: ask for the compute stream, record an event on a
-stream, make a stream wait for an event, enqueue byte copies between 1-D uint8 tensors of equal
-size on the copy stream, and allocate device and host buffers. Two implementations:
+stream, make a stream wait for an event, enqueue copies on the copy stream (between 1-D uint8
+byte views of equal size, or from a dense tensor into a host view of the same layout), and
+allocate device and host buffers. Two implementations:
 
 - `AcceleratorStreams`: CUDA first, and any device with `torch.Stream`/`torch.Event` support
   (XPU, NPU, ...) through the device-generic `torch.accelerator` API.
