@@ -3,6 +3,8 @@ run end to end on the CPU (--device cpu: tiny preset, a few tokens, hf_offload's
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from test_trl import cpu_capable_trl_offloading
@@ -88,3 +90,23 @@ def test_bad_arguments_are_named(capsys, argv, message):
         trl_trainers.main(argv)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("preset", sorted(trl_trainers.PRESET_CONFIGS))
+def test_every_preset_builds_in_its_own_architecture(preset):
+    """On the meta device (no memory): the model the script trains has the preset's class and the
+    script's token ids and positions (a Llama config forced on the Qwen2 preset was not Qwen2,
+    and the 8B presets' own max_position_embeddings clashed with the script's)."""
+    options = trl_trainers.Options(
+        **{
+            **{field.name: None for field in dataclasses.fields(trl_trainers.Options)},
+            "preset": preset,
+            "device": torch.device("meta"),
+            "dtype": torch.bfloat16,
+            "max_positions": 4096,
+        }
+    )
+    model = trl_trainers.build_model(options)
+    assert model.config.model_type == trl_trainers.PRESET_CONFIGS[preset]["model_type"]
+    assert model.config.max_position_embeddings == 4096
+    assert (model.config.pad_token_id, model.config.eos_token_id) == (trl_trainers.PAD, trl_trainers.EOS)

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hf_offload import bench
 from hf_offload.bench import PRESET_CONFIGS
 
 TRAINERS = ("sft", "grpo")
@@ -107,21 +108,13 @@ def offline_tokenizer(vocab_size: int):
 
 
 def build_model(options: Options):
-    """Random weights in the preset's Llama shape, initialised on the device in the run's dtype
-    (no host copy of a 1B model, no download)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    config = LlamaConfig(
-        **PRESET_CONFIGS[options.preset],
-        pad_token_id=PAD,
-        bos_token_id=BOS,
-        eos_token_id=EOS,
-        max_position_embeddings=options.max_positions,
-    )
+    """Random weights in the preset's shape, initialised on the device in the run's dtype (no host
+    copy of a 1B model, no download)."""
+    config = bench.preset_config(options.preset)
+    tokens = dict(pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS)
+    config.update(dict(tokens, max_position_embeddings=options.max_positions))
     torch.manual_seed(0)
-    with torch.device(options.device):
-        model = AutoModelForCausalLM.from_config(config, dtype=options.dtype)
-    return model.train()
+    return bench.build_on_device(config, options.device, options.dtype)
 
 
 def words(count: int, vocab_size: int, seed: int) -> str:
@@ -322,10 +315,6 @@ def measure(trainer_name: str, setup: str, seq_len: int, tokenizer, options: Opt
             torch.cuda.empty_cache()
 
 
-def _is_oom(error: BaseException) -> bool:
-    return isinstance(error, (torch.OutOfMemoryError, MemoryError))
-
-
 def run_all(trainers, setups, seq_lens, options: Options, report: Callable[[Record], None] = lambda record: None):
     tokenizer = offline_tokenizer(PRESET_CONFIGS[options.preset]["vocab_size"])
     records = []
@@ -339,8 +328,9 @@ def run_all(trainers, setups, seq_lens, options: Options, report: Callable[[Reco
                     try:
                         record = measure(trainer_name, setup, seq_len, tokenizer, options)
                     except Exception as error:  # a setup that fails is recorded, never fatal to the run
-                        stopped[setup] = "out of memory" if _is_oom(error) else "failed"
-                        status = "oom" if _is_oom(error) else f"failed: {type(error).__name__}: {str(error)[:160]}"
+                        oom = bench._is_oom(error)
+                        stopped[setup] = "out of memory" if oom else "failed"
+                        status = "oom" if oom else f"failed: {type(error).__name__}: {str(error)[:160]}"
                         record = Record(trainer_name, setup, seq_len, status)
                 records.append(record)
                 report(record)
