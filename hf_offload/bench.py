@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 import hf_offload
+from hf_offload.api import _unwrap
 
 MODES = (
     "none",
@@ -253,17 +254,12 @@ def _remove_trl_hooks(model) -> None:
             module._forward_hooks_always_called.pop(key, None)
 
 
-def _base(model):
-    """The transformers model inside a PEFT wrapper."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
 def _configure(model, mode: str, device: torch.device, min_offload_bytes: int | None = None, memory_limit=None):
     """Put `model` in `mode`; returns a context factory for each forward. The `_auto` modes read
     the device's free memory at each step; on the CPU, where there is none, they take
     `memory_limit` (the byte accounting's limit) as the budget, and are unavailable without it."""
     base_mode, liger = split_mode(mode)
-    base = _base(model)
+    base = _unwrap(model)
     _remove_trl_hooks(model)
     set_liger_flce(base, False)
     hf_offload.disable_activation_offloading(base)
@@ -313,8 +309,10 @@ def _measure(
     `memory_limit` on the CPU turns resident activation bytes above it into a simulated
     out-of-memory (on CUDA the allocator enforces the limit itself)."""
     forward_context = _configure(model, mode, device, min_offload_bytes, memory_limit)
+    base_mode, liger = split_mode(mode)
+    budgeted = base_mode.endswith("_auto")
     # A budget's plan needs the bytes per layer of one step first: never time that step.
-    warmup = warmup or split_mode(mode)[0].endswith("_auto")
+    warmup = warmup or budgeted
     vocab = model.config.get_text_config().vocab_size
     ids = torch.randint(vocab, (batch_size, seq_len), generator=torch.Generator().manual_seed(seq_len)).to(device)
     if memory_limit is not None and device.type == "cpu" and not accounting:
@@ -333,7 +331,6 @@ def _measure(
     if hf_offload.is_activation_offloading(model):
         if accounting:
             # What the same mode saves without hf_offload, counted outside any hooks of ours.
-            base_mode, liger = split_mode(mode)
             without = WITHOUT_HF_OFFLOAD[base_mode] + (LIGER if liger else "")
             _configure(model, without, device)
             counter = _SavedBytes(model)
@@ -341,16 +338,18 @@ def _measure(
             forward_context = _configure(model, mode, device, min_offload_bytes, memory_limit)
         if warmup or accounting:
             step()
-            if split_mode(mode)[0].endswith("_auto"):
+            if budgeted:
                 if device.type == "cpu":
                     # The CPU's limit holds all the step saves: the decoder layers may keep that,
                     # less what is saved outside them (the first step measured the layers' share).
-                    engine = _base(model)._hf_offload.engine
-                    outside = counter.total - engine.stats().layer_activation_bytes
-                    engine.configure(**{**engine.options(), "max_device_bytes": max(memory_limit - outside, 0)})
+                    # Enabling again reconfigures the engine and keeps what it measured.
+                    outside = counter.total - hf_offload.activation_offloading_stats(model).layer_activation_bytes
+                    options = {} if min_offload_bytes is None else {"min_offload_bytes": min_offload_bytes}
+                    hf_offload.enable_activation_offloading(
+                        _unwrap(model), simulate_on_cpu=True, max_device_bytes=max(memory_limit - outside, 0), **options
+                    )
                 step()  # the first step measured the layers (all offloaded); this one follows the plan
             stats = hf_offload.activation_offloading_stats(model)
-            offloaded, host = stats.offloaded_bytes, stats.pool_bytes
         if accounting:
             # What stays outside hf_offload's reach, plus the most of the layers' own activations on
             # the device at once (what kept layers saved, copies in flight or brought back ahead).
@@ -475,10 +474,10 @@ class MaxSeq:
     at_max: Record | None = None  # search: the probe there (peak, step time)
     first_oom: Record | None = None  # search: the shortest length that did not fit
     probes: list[Record] = field(default_factory=list)
+    budget_bytes: int | None = None  # the device memory the run had (None on the CPU without a limit)
     # slope only:
     bytes_per_token: float | None = None
     fixed_bytes: float | None = None
-    budget_bytes: int | None = None
     predicted_max_seq_len: int | None = None
     # hf_offload modes: the bytes it moved to the host, per token and at the predicted length (its
     # pinned pool holds at least that much, up to twice: buffers are rounded up to a power of two).
@@ -723,7 +722,7 @@ def max_seq(
                     peak=lambda r: _peak(r, device),
                     verify=verify,
                 )
-            result.mode = mode
+            result.mode, result.budget_bytes = mode, budget
             results.append(result)
     _configure(model, "none", device)
     _release_memory(device)
@@ -907,9 +906,9 @@ def _setup(args, device: torch.device):
 def run_bench(args) -> int:
     device = torch.device(args.device)
     model, title = _setup(args, device)
-    if getattr(args, "find_max_seq", False):
-        return run_max_seq(args, model, title, device)
     memory_limit = None if args.memory_limit is None else int(args.memory_limit * 2**30)
+    if getattr(args, "find_max_seq", False):
+        return run_max_seq(args, model, title, device, memory_limit)
     with memory_limit_applied(device, memory_limit):
         records = list(
             sweep(
@@ -953,8 +952,7 @@ def _host_ram_bytes() -> int | None:
         return None
 
 
-def run_max_seq(args, model, title: str, device: torch.device) -> int:
-    memory_limit = None if args.memory_limit is None else int(args.memory_limit * 2**30)
+def run_max_seq(args, model, title: str, device: torch.device, memory_limit: int | None) -> int:
     meaning = limit_meaning(device, memory_limit)
     method = args.method
     how = (
@@ -978,8 +976,7 @@ def run_max_seq(args, model, title: str, device: torch.device) -> int:
         memory_limit=memory_limit,
         min_offload_bytes=args.min_offload_bytes,
     )
-    with memory_limit_applied(device, memory_limit):
-        budget = device_budget(device, memory_limit)
+    budget = results[0].budget_bytes  # what the predictions were made against
     notes = []
     ram = _host_ram_bytes()
     for r in results:
