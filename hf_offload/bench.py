@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 import hf_offload
-from hf_offload.api import _unwrap
+from hf_offload.api import _device_memory, _unwrap
 
 MODES = (
     "none",
@@ -622,8 +622,8 @@ def device_budget(device: torch.device, memory_limit: int | None) -> int | None:
     """Bytes this process can have allocated: the limit, or on CUDA what is free plus what its
     allocator already holds. None on the CPU without a limit (there is no device memory)."""
     if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        reachable = free + torch.cuda.memory_reserved(device)
+        available, _total = _device_memory(device)  # what a step can still take
+        reachable = available + torch.cuda.memory_allocated(device)
         return reachable if memory_limit is None else min(memory_limit, reachable)
     return memory_limit
 

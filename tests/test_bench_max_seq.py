@@ -416,6 +416,8 @@ def test_memory_limit_on_cuda_caps_the_allocator_and_restores_it(monkeypatch):
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, device: fractions.append(f))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (70 * 2**30, 80 * 2**30))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 2 * 2**30)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 2**30)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 1.0, raising=False)
     cuda = torch.device("cuda", 0)
     with bench.memory_limit_applied(cuda, 40 * 2**30):
         assert fractions == [0.5]
