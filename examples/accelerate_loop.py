@@ -28,7 +28,7 @@ from accelerate import Accelerator
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import hf_offload  # noqa: F401  (adds enable_activation_offloading to every model)
-from hf_offload.determinism import DeterministicKernels, Verdict
+from hf_offload.determinism import DeterministicKernels, losses_and_weights_verdict, same_tensors
 
 
 def load_model(args: argparse.Namespace) -> torch.nn.Module:
@@ -134,11 +134,13 @@ def run(accelerator: Accelerator, args: argparse.Namespace, kernels: Determinist
             again_losses, again_weights, _ = train(accelerator, references[1], args, offload=False)
     control_identical = None
     if args.control:
-        control_identical = same(plain_losses, again_losses) and same(plain_weights.values(), again_weights.values())
+        control_identical = same_tensors(plain_losses, again_losses) and same_tensors(
+            plain_weights.values(), again_weights.values()
+        )
         kernels.note_control(control_identical)
     flags = [
-        same(plain_losses, losses),
-        same(plain_weights.values(), (weights[name] for name in plain_weights)),
+        same_tensors(plain_losses, losses),
+        same_tensors(plain_weights.values(), (weights[name] for name in plain_weights)),
         not kernels.reasons,  # this process's kernels repeat (its control included)
         control_identical is not False,
     ]
@@ -150,15 +152,9 @@ def run(accelerator: Accelerator, args: argparse.Namespace, kernels: Determinist
     reasons = kernels.reasons or (() if deterministic else ("kernels not deterministic on another process",))
     if args.control:
         accelerator.print(f"control, two runs without offloading: {'identical' if control_everywhere else 'DIFFER'}")
-    verdict = Verdict(same_losses and same_weights, reasons)
-    words = [Verdict(flag, reasons).word for flag in (same_losses, same_weights)]
-    line = f"bit-identical: losses {words[0]}, final weights {words[1]}"
-    accelerator.print(f"{line} ({verdict.explanation})" if verdict.explanation else line)
+    verdict, line = losses_and_weights_verdict(same_losses, same_weights, reasons)
+    accelerator.print(line)
     return verdict.exit_code
-
-
-def same(first, second) -> bool:
-    return all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
 
 
 if __name__ == "__main__":

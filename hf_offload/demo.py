@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
-from .determinism import DeterministicKernels
+from .determinism import DeterministicKernels, losses_and_weights_verdict, same_tensors
 
 LEARNING_RATE = 1e-3
 
@@ -144,19 +144,15 @@ def run_demo(
         finally:
             model.disable_activation_offloading()
 
-    losses_identical = all(map(torch.equal, plain.losses, offloaded.losses))
-    weights_identical = _same_weights(plain, offloaded)
     echo(f"{'step':>4}  {'loss, plain':>14}  {'loss, offloaded':>15}")
     for step, (plain_loss, offloaded_loss) in enumerate(zip(plain.losses, offloaded.losses, strict=True), start=1):
         echo(f"{step:>4}  {plain_loss.item():>14.8f}  {offloaded_loss.item():>15.8f}")
     if (control_line := kernels.describe_control()) is not None:
         echo(control_line)
-    verdict = kernels.verdict(losses_identical and weights_identical)
-    line = (
-        f"bit-identical: losses {kernels.verdict(losses_identical).word}, "
-        f"final weights {kernels.verdict(weights_identical).word}"
+    verdict, line = losses_and_weights_verdict(
+        same_tensors(plain.losses, offloaded.losses), _same_weights(plain, offloaded), kernels.reasons
     )
-    echo(f"{line} ({verdict.explanation})" if verdict.explanation else line)
+    echo(line)
     echo("offloading in the last step:")
     for line in stats.summary().splitlines():
         echo(f"  {line}")
@@ -170,11 +166,11 @@ def run_demo(
 
 
 def _same_weights(first: RunResult, second: RunResult) -> bool:
-    return all(torch.equal(tensor, second.final_weights[name]) for name, tensor in first.final_weights.items())
+    return same_tensors(first.final_weights.values(), (second.final_weights[name] for name in first.final_weights))
 
 
 def _same_run(first: RunResult, second: RunResult) -> bool:
-    return all(map(torch.equal, first.losses, second.losses)) and _same_weights(first, second)
+    return same_tensors(first.losses, second.losses) and _same_weights(first, second)
 
 
 def _gib(nbytes: int) -> str:

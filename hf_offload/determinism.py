@@ -248,12 +248,23 @@ def _attention_of(model: PreTrainedModel) -> str | None:
 Run = tuple[list[float], torch.nn.Module]  # a training run: its losses and the trained model
 
 
+def same_tensors(first, second) -> bool:
+    """Two equally long sequences of tensors, equal bit for bit pairwise."""
+    return all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+
+
 def same_run(first: Run, second: Run) -> bool:
     """Equal losses and bit-identical trained weights."""
     (first_losses, first_model), (second_losses, second_model) = first, second
-    return first_losses == second_losses and all(
-        torch.equal(p, q) for p, q in zip(first_model.parameters(), second_model.parameters(), strict=True)
-    )
+    return first_losses == second_losses and same_tensors(first_model.parameters(), second_model.parameters())
+
+
+def losses_and_weights_verdict(losses: bool, weights: bool, reasons: tuple[str, ...]) -> tuple[Verdict, str]:
+    """The verdict on a whole run (`losses` and `weights`: whether each came out bit-identical,
+    `reasons`: why the kernels may not repeat) and its one-line report."""
+    verdict = Verdict(losses and weights, reasons)
+    line = f"bit-identical: losses {Verdict(losses, reasons).word}, final weights {Verdict(weights, reasons).word}"
+    return verdict, f"{line} ({verdict.explanation})" if verdict.explanation else line
 
 
 def train_and_compare(train, *, compare: bool, control: bool) -> tuple[int, torch.nn.Module]:
