@@ -14,6 +14,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import hf_offload
+from hf_offload.determinism import DeterministicKernels
 
 VOCAB = 97
 SEQ = 12
@@ -146,10 +147,8 @@ def collect() -> None:
 def deterministic_cuda_kernels():
     """For the GPU parity tests: without it, cuBLAS and attention backward may reduce in a
     different order from run to run, and two runs without offloading would already differ."""
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    yield
-    torch.use_deterministic_algorithms(False)
+    with DeterministicKernels("cuda", needed=True) as kernels:
+        yield kernels
 
 
 def cuda_peak_bytes(step, model: torch.nn.Module, ids: torch.Tensor) -> int:
