@@ -289,6 +289,12 @@ class SimulatedOutOfMemory(torch.OutOfMemoryError):
     """On the CPU with a memory limit: the step's resident activation bytes exceeded it."""
 
 
+def random_ids(model, batch_size: int, seq_len: int, device: torch.device) -> torch.Tensor:
+    """The bench's input: random tokens of the model's vocabulary, the same for a given length."""
+    vocab = model.config.get_text_config().vocab_size
+    return torch.randint(vocab, (batch_size, seq_len), generator=torch.Generator().manual_seed(seq_len)).to(device)
+
+
 def _measure(
     model,
     mode,
@@ -313,8 +319,7 @@ def _measure(
     budgeted = base_mode.endswith("_auto")
     # A budget's plan needs the bytes per layer of one step first: never time that step.
     warmup = warmup or budgeted
-    vocab = model.config.get_text_config().vocab_size
-    ids = torch.randint(vocab, (batch_size, seq_len), generator=torch.Generator().manual_seed(seq_len)).to(device)
+    ids = random_ids(model, batch_size, seq_len, device)
     if memory_limit is not None and device.type == "cpu" and not accounting:
         raise ValueError("a memory limit on the CPU is applied to the byte accounting: accounting=True is needed")
 

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 import hf_offload
-from hf_offload.bench import MODES, Record, _configure, build_model, markdown_table, set_checkpointing, sweep
+from hf_offload.bench import MODES, Record, _configure, build_model, markdown_table, random_ids, sweep
 
 TESTS = Path(__file__).resolve().parents[2] / "tests"
 BUDGET_MODES = ("hf_offload_auto", "checkpointing+hf_offload_auto")
@@ -117,18 +117,13 @@ def package_versions() -> str:
     return ", ".join(versions)
 
 
-def _ids(model, seq_len: int, device: torch.device) -> torch.Tensor:
-    vocab = model.config.get_text_config().vocab_size
-    return torch.randint(vocab, (1, seq_len), generator=torch.Generator().manual_seed(seq_len)).to(device)
-
-
 def issue_against_gpu_time(model, seq_len: int, device: torch.device, repeats: int = 5) -> str:
     """Per mode, the best of `repeats` steps: CPU time to issue forward and backward (the calls'
     wall time) against the GPU time between CUDA events recorded around them. A forward whose
     issue time comes close to its GPU time leaves the GPU waiting for the CPU."""
     if device.type != "cuda":
         return "skipped: CUDA events need a CUDA device"
-    ids = _ids(model, seq_len, device)
+    ids = random_ids(model, 1, seq_len, device)
     lines = [
         f"| mode ({seq_len} tokens) | forward: CPU issue / GPU ms | backward: CPU issue / GPU ms | step ms |",
         "|---|---|---|---|",
@@ -167,7 +162,7 @@ def synchronising_calls(model, seq_len: int, device: torch.device) -> str:
     torch.cuda.set_sync_debug_mode("warn") emits. Offloading must add none."""
     if device.type != "cuda":
         return "skipped: torch.cuda.set_sync_debug_mode needs a CUDA device"
-    ids = _ids(model, seq_len, device)
+    ids = random_ids(model, 1, seq_len, device)
     lines = ["| mode | synchronising calls per step | first one |", "|---|---|---|"]
     for mode in ("none", "hf_offload", "checkpointing", "checkpointing+hf_offload", "checkpointing+hf_offload_auto"):
         _configure(model, mode, device)
@@ -261,7 +256,6 @@ def main(argv=None) -> int:
     print(synchronising_calls(model, seq_lens[0], device))
 
     stage(f"4. LoRA r=16 on every linear layer, {lora_seq_len} tokens")
-    set_checkpointing(model, False)
     lora_model = _lora(model)
     lora_modes = [mode for mode in LORA_MODES if mode in args.modes]
     lora_records = list(sweep(lora_model, modes=lora_modes, seq_lens=[lora_seq_len], **common))

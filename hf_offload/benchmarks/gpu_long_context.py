@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from hf_offload.bench import MaxSeq, build_model, max_seq, max_seq_table, predict_max_seq, set_checkpointing
+from hf_offload.bench import MaxSeq, build_model, max_seq, max_seq_table, predict_max_seq
 from hf_offload.benchmarks.gpu_check import package_versions
 from hf_offload.estimate import DEVICES
 
@@ -90,9 +90,7 @@ def targets_table(results: list[MaxSeq], *, budget: int, granularity: int) -> st
             return None
         return result.probes[-1].step_seconds
 
-    ours, liger, alone = (
-        maximum(m) for m in ("checkpointing+hf_offload+liger", "checkpointing+liger", "checkpointing")
-    )
+    ours, liger, alone = (maximum(m) for m in (OURS, "checkpointing+liger", "checkpointing"))
     lines = ["| target | figure | verdict |", "|---|---|---|"]
 
     def row(name: str, value: float | None, limit: float, at_least: bool) -> None:
@@ -104,7 +102,7 @@ def targets_table(results: list[MaxSeq], *, budget: int, granularity: int) -> st
 
     row("max seq: ckpt+hf_offload+FLCE vs ckpt+FLCE (>= 2x)", ours / liger if ours and liger else None, 2.0, True)
     row("max seq: ckpt+hf_offload+FLCE vs ckpt alone (>= 5x)", ours / alone if ours and alone else None, 5.0, True)
-    faster, base = step_seconds("checkpointing+hf_offload+liger"), step_seconds("checkpointing+liger")
+    faster, base = step_seconds(OURS), step_seconds("checkpointing+liger")
     row(
         "step time: ckpt+hf_offload+FLCE vs ckpt+FLCE (<= 1.03x)",
         faster / base if faster and base else None,
@@ -148,7 +146,6 @@ def main(argv=None) -> int:
     print(f"packages: {package_versions()}; preset {preset}, LoRA r=16 on all linears, {str(dtype)[6:]}, batch 1")
 
     model = build_model(preset, None, device, dtype)
-    set_checkpointing(model, False)
     from peft import LoraConfig, get_peft_model
 
     model = get_peft_model(model, LoraConfig(r=16, target_modules="all-linear"))
