@@ -119,19 +119,18 @@ class _ModuleCache:
     each use, so a parameter swapped in place (FSDP2 swaps sharded and gathered ones by writing
     `module._parameters` directly) or given new storage (`model.to`, ZeRO-3) is seen."""
 
-    __slots__ = ("modules", "dicts", "generation")
+    __slots__ = ("dicts", "generation")
 
     def __init__(self) -> None:
-        self.modules: list[nn.Module] = []
         self.dicts: list[dict[str, torch.Tensor | None]] = []
         self.generation = -1
 
     def tensors(self, build: Callable[[], list[nn.Module]]) -> Iterator[torch.Tensor]:
         if self.generation != _structure_generation[0]:
-            self.modules = build()
-            self.dicts = [d for module in self.modules for d in (module._parameters, module._buffers) if d]
+            modules = build()
+            self.dicts = [d for module in modules for d in (module._parameters, module._buffers) if d]
             self.generation = _structure_generation[0]
-            _watched_modules.update(self.modules)
+            _watched_modules.update(modules)
         for tensors in self.dicts:
             for tensor in tensors.values():
                 if tensor is not None:
