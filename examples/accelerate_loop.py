@@ -28,7 +28,7 @@ from accelerate import Accelerator
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import hf_offload  # noqa: F401  (adds enable_activation_offloading to every model)
-from hf_offload.determinism import DeterministicKernels, losses_and_weights_verdict, same_tensors
+from hf_offload.tools.determinism import DeterministicKernels, losses_and_weights_verdict, same_tensors
 
 
 def load_model(args: argparse.Namespace) -> torch.nn.Module:

@@ -22,7 +22,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
 import hf_offload  # noqa: F401  (adds enable_activation_offloading to every model)
-from hf_offload.determinism import DeterministicKernels, train_and_compare
+from hf_offload.tools.determinism import DeterministicKernels, train_and_compare
 
 
 class RandomTokens(torch.utils.data.Dataset):

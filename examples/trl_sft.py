@@ -33,7 +33,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 from trl import SFTConfig, SFTTrainer
 
 import hf_offload  # noqa: F401  (adds enable_activation_offloading to every model)
-from hf_offload.determinism import DeterministicKernels, train_and_compare
+from hf_offload.tools.determinism import DeterministicKernels, train_and_compare
 
 WORDS = (  # noqa: SIM905
     "the a one cat dog bird fox sat ran flew jumped slept on under over near "

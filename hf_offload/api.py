@@ -20,23 +20,17 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from .adapters import resolve_layers
+from . import auto_budget
+from .adapters import resolve_layers, unwrap_model
 from .config import OffloadOptions
 from .engine import ActivationOffloader, OffloadStats, in_backward
+from .integrations.liger import fused_linear_cross_entropy_in_use
+from .integrations.trl import TRL_OFFLOADING_WARNING, is_trl_hooks_module
 
 logger = logging.getLogger("hf_offload")
 
 MODEL_STATE_ATTR = "_hf_offload"
 LAYER_STATE_ATTR = "_hf_offload_layer"
-
-_TRL_OFFLOADING = (
-    "hf_offload: TRL's activation offloading is on as well (activation_offloading=True in the SFTConfig, "
-    "DPOConfig, KTOConfig or RewardConfig) around a model on which hf_offload is enabled. Both are exact, "
-    "but hf_offload already offloads the decoder layers' activations and TRL's then only moves the few "
-    "tensors saved outside them, at a cost in time. Set activation_offloading=False in the TRL config to "
-    "keep hf_offload's, or call model.disable_activation_offloading() to keep TRL's."
-)
-
 
 class _Controller:
     """Per-model state: options, the engine, the wrapped layers."""
@@ -233,8 +227,8 @@ def _runs_inside_checkpoint(controller: _Controller, first: bool) -> bool:
     module = _outer_saved_tensors_hooks_module()
     if module is None:
         return False
-    if first and module.startswith("trl."):
-        controller.engine._warn_once("trl", _TRL_OFFLOADING)
+    if first and is_trl_hooks_module(module):
+        controller.engine._warn_once("trl", TRL_OFFLOADING_WARNING)
     return module == "torch.utils.checkpoint"
 
 
@@ -342,22 +336,6 @@ def _replicate_with_offloading(self: nn.Module) -> nn.Module:
     return replica
 
 
-def _unwrap(model: object) -> nn.Module:
-    """The transformers model inside a PEFT wrapper, or the model itself."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(
-            f"expected a torch.nn.Module such as a transformers PreTrainedModel, got {type(model).__name__}"
-        )
-    if type(model).__name__ in ("DistributedDataParallel", "DataParallel") and isinstance(
-        getattr(model, "module", None), nn.Module
-    ):
-        model = model.module
-    get_base_model = getattr(type(model), "get_base_model", None)
-    if callable(get_base_model):  # peft.PeftModel
-        return model.get_base_model()
-    return model
-
-
 def _install(controller: _Controller, layers: Sequence[nn.Module]) -> None:
     unique = list(dict.fromkeys(layers))  # a layer listed twice must not wrap its own wrapper
     controller.installations += 1
@@ -397,54 +375,12 @@ def _uninstall(controller: _Controller) -> None:
     controller.layers = []
 
 
-# Left free by max_device_bytes="auto": a share of the device's memory for the allocator's
-# fragmentation, kernels' workspaces and what the step allocates outside the decoder layers.
-AUTO_BUDGET_MARGIN_SHARE = 0.05
-
-
-def _device_memory(device: torch.device) -> tuple[int, int]:
-    """(bytes a step can still take, total bytes) of `device`: the driver's free memory plus what
-    torch's caching allocator holds unused (that is free to the step too)."""
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        allocated = torch.cuda.memory_allocated(device)
-        available = free + torch.cuda.memory_reserved(device) - allocated
-        # A process capped with torch.cuda.set_per_process_memory_fraction gets no more than that.
-        fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 1.0)(device)
-        if fraction < 1.0:
-            available = min(available, int(total * fraction) - allocated)
-        return available, total
-    free, total = torch.accelerator.get_memory_info(device)
-    return free + torch.accelerator.memory_reserved(device) - torch.accelerator.memory_allocated(device), total
-
-
-def _check_device_memory_readable() -> None:
-    """max_device_bytes="auto" needs the accelerator's free memory at every step: fail now, at
-    enable time, where it cannot be read, rather than in the middle of training. Nothing is asked
-    of the device itself here (that would create a CUDA context on the current device, GPU 0 for
-    every rank of a torchrun job that enables before choosing its device): the first step reads
-    the memory, on the layers' own device."""
-    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-    if accelerator is None:
-        raise ValueError(
-            "option max_device_bytes='auto' reads the accelerator's free memory at every step, and no "
-            "accelerator is available here (torch.accelerator.is_available() is False); pass a number of "
-            "bytes, or None to offload every layer"
-        )
-    if accelerator.type != "cuda" and not hasattr(torch.accelerator, "get_memory_info"):
-        raise ValueError(
-            f"option max_device_bytes='auto' cannot read the free memory of {accelerator.type} devices with "
-            f"torch {torch.__version__} (no torch.accelerator.get_memory_info); pass a number of bytes, or None "
-            "to offload every layer"
-        )
-
-
 def _auto_device_budget(controller: _Controller, device: torch.device, tokens: int | None) -> int:
     """The budget for this step: free device memory, less AUTO_BUDGET_MARGIN_SHARE of the total,
     the loss head's predicted peak, one layer's full activations (its working memory, and the
     layer a checkpoint recomputes in backward) and the gradients backward will still allocate."""
     try:
-        free, total = _device_memory(device)
+        free, total = auto_budget.device_memory(device)
     except (RuntimeError, AttributeError, NotImplementedError, AssertionError, ValueError) as error:
         controller.engine._warn_once(
             "auto_budget",
@@ -452,7 +388,7 @@ def _auto_device_budget(controller: _Controller, device: torch.device, tokens: i
             "every layer is offloaded, as without a budget",
         )
         return 0
-    reserved = int(total * AUTO_BUDGET_MARGIN_SHARE) + _missing_gradient_bytes(controller)
+    reserved = int(total * auto_budget.AUTO_BUDGET_MARGIN_SHARE) + _missing_gradient_bytes(controller)
     if tokens is not None:
         reserved += _predicted_step_bytes(controller, tokens)
     return max(free - reserved, 0)
@@ -474,20 +410,18 @@ def _missing_gradient_bytes(controller: _Controller) -> int:
 
 
 def _predicted_step_bytes(controller: _Controller, tokens: int) -> int:
-    """What `hf-offload estimate` predicts the loss head (fused or not) and one layer's full
-    activations need for `tokens` tokens."""
-    from .estimate import Shape, loss_head_bytes_per_token, saved_bytes_per_token  # no transformers import there
-    from .liger import fused_linear_cross_entropy_in_use
-
+    """The loss head (fused or not) and one layer's full activations for `tokens` tokens
+    (`auto_budget.predicted_step_bytes`); 0 for a model without a transformers-style config."""
+    model = controller.model
     try:
-        shape = Shape.from_config(getattr(controller.model, "config", None))
-        dtype_bytes = torch.empty(0, dtype=getattr(controller.model, "dtype", torch.float32)).element_size()
-        layer = saved_bytes_per_token(shape, dtype_bytes=dtype_bytes)
-        fused = fused_linear_cross_entropy_in_use(controller.model)
-        head = loss_head_bytes_per_token(shape, dtype_bytes=dtype_bytes, fused=fused)
+        return auto_budget.predicted_step_bytes(
+            getattr(model, "config", None),
+            dtype=getattr(model, "dtype", torch.float32),
+            tokens=tokens,
+            fused_loss=fused_linear_cross_entropy_in_use(model),
+        )
     except (TypeError, ValueError, AttributeError):
-        return 0  # not a transformers-style config: the margin alone
-    return tokens * (layer + head)
+        return 0  # the margin alone
 
 
 def enable_activation_offloading(model: nn.Module, **options: object) -> None:
@@ -499,8 +433,8 @@ def enable_activation_offloading(model: nn.Module, **options: object) -> None:
     """
     parsed = OffloadOptions.from_kwargs(**options)
     if parsed.max_device_bytes == "auto":
-        _check_device_memory_readable()
-    target = _unwrap(model)
+        auto_budget.check_device_memory_readable()
+    target = unwrap_model(model)
     _adapter, layers = resolve_layers(target)  # raises before anything is changed
     controller: _Controller | None = target.__dict__.get(MODEL_STATE_ATTR)
     if controller is None:
@@ -526,7 +460,7 @@ def enable_activation_offloading(model: nn.Module, **options: object) -> None:
 
 def disable_activation_offloading(model: nn.Module) -> None:
     """Remove every wrapper and attribute that enabling added. A no-op if not enabled."""
-    target = _unwrap(model)
+    target = unwrap_model(model)
     controller: _Controller | None = target.__dict__.get(MODEL_STATE_ATTR)
     if controller is None:
         return
@@ -536,7 +470,7 @@ def disable_activation_offloading(model: nn.Module) -> None:
 
 def is_activation_offloading(model: nn.Module) -> bool:
     """Read from the modules themselves: True when any decoder layer carries our wrapper."""
-    target = _unwrap(model)
+    target = unwrap_model(model)
     return any(
         getattr(module.__dict__.get(LAYER_STATE_ATTR), "controller", None) is not None for module in target.modules()
     )
@@ -544,7 +478,7 @@ def is_activation_offloading(model: nn.Module) -> bool:
 
 def activation_offloading_stats(model: nn.Module) -> OffloadStats:
     """What was offloaded and kept in the last training step (see `OffloadStats`)."""
-    target = _unwrap(model)
+    target = unwrap_model(model)
     controller: _Controller | None = target.__dict__.get(MODEL_STATE_ATTR)
     if controller is None:
         raise RuntimeError(

@@ -14,7 +14,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import hf_offload
-from hf_offload.determinism import DeterministicKernels
+from hf_offload.tools.determinism import DeterministicKernels
 
 VOCAB = 97
 SEQ = 12

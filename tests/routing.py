@@ -10,8 +10,7 @@ import torch
 from conftest import assert_bit_identical, batch, train_step
 
 import hf_offload
-from hf_offload.adapters import resolve_layers
-from hf_offload.api import _unwrap
+from hf_offload.adapters import resolve_layers, unwrap_model
 from hf_offload.engine.offloader import DeviceContext
 
 
@@ -38,7 +37,7 @@ def parameter_ptrs(model: torch.nn.Module) -> set[int]:
 def record_layer_saves(model: torch.nn.Module) -> Iterator[list[list[torch.Tensor]]]:
     """Per decoder layer (forward order), the tensors autograd saved inside its call, recorded by
     a hooks context entered and left by module hooks, outside any checkpoint, as a reference."""
-    _, layers = resolve_layers(_unwrap(model))
+    _, layers = resolve_layers(unwrap_model(model))
     saved: list[list[torch.Tensor]] = [[] for _ in layers]
     contexts: list[contextlib.ExitStack] = []
     handles = []

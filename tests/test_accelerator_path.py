@@ -2,7 +2,7 @@
 
 Every other CPU test swaps `AcceleratorStreams` for the simulated streams, so without this file
 the code a GPU runs (torch.Stream / torch.Event / torch.accelerator calls, pinned memory, the
-copies) would run for the first time on a GPU. Here `hf_offload.benchmarks.standin` replaces
+copies) would run for the first time on a GPU. Here `hf_offload.tools.benchmarks.standin` replaces
 torch.Stream, torch.accelerator.current_stream and the pinned allocation with stand-ins that log
 what the engine asks of them; CPU copies complete at once, so this checks the calls and their
 order, not overlap (the race checker in tests/test_races.py does that). Three properties:
@@ -30,11 +30,11 @@ import torch
 from conftest import assert_same_step, batch, enable_sim, tiny_model, train_step, twin
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hf_offload.benchmarks.standin import StandInAccelerator, stand_in_accelerator
 from hf_offload.engine import ordering
 from hf_offload.engine import streams as streams_module
 from hf_offload.engine.offloader import ActivationOffloader
 from hf_offload.engine.pool import HostPool
+from hf_offload.tools.benchmarks.standin import StandInAccelerator, stand_in_accelerator
 
 
 def _ranges(values) -> list[tuple[int, int]]:
@@ -275,7 +275,7 @@ class SanitizerReplay(TorchDispatchMode):
 @pytest.fixture
 def sanitizer(accelerator, monkeypatch):
     replay = SanitizerReplay(accelerator)
-    from hf_offload.benchmarks.standin import StandInStream
+    from hf_offload.tools.benchmarks.standin import StandInStream
 
     record_event, wait_event = StandInStream.record_event, StandInStream.wait_event
 

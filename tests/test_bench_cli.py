@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-import hf_offload.bench as bench
-from hf_offload.cli import main
+import hf_offload.tools.bench as bench
+from hf_offload.tools.cli import main
 
 
 def run_bench(tmp_path, *extra):
@@ -91,8 +91,8 @@ def test_bad_arguments_are_named(argv, fragment, capsys):
 
 
 def test_gpu_check_ratios_are_against_the_same_length():
-    from hf_offload.bench import Record
-    from hf_offload.benchmarks.gpu_check import ratios_table
+    from hf_offload.tools.bench import Record
+    from hf_offload.tools.benchmarks.gpu_check import ratios_table
 
     def record(mode, seq, peak, seconds):
         return Record(mode, seq, "ok", peak_device_bytes=peak, step_seconds=seconds)

@@ -16,9 +16,9 @@ from conftest import assert_bit_identical, tiny_model, train_step
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import hf_offload
-import hf_offload.bench as bench
-from hf_offload.bench import Record, find_max_seq, fit_bytes_per_token, predict_max_seq, slope_max_seq
-from hf_offload.cli import main
+import hf_offload.tools.bench as bench
+from hf_offload.tools.bench import Record, find_max_seq, fit_bytes_per_token, predict_max_seq, slope_max_seq
+from hf_offload.tools.cli import main
 
 CPU = torch.device("cpu")
 

@@ -14,7 +14,7 @@ from conftest import assert_same_step, batch, enable_sim, tiny_model, twin
 from test_races import identical_steps, simulated_streams
 
 import hf_offload
-from hf_offload import api
+from hf_offload import api, auto_budget
 from hf_offload.engine.planner import plan, resident_peak
 from hf_offload.engine.streams import simulated_schedule
 
@@ -248,7 +248,7 @@ def fake_device_memory(monkeypatch):
     monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
     monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: torch.device("cpu"))
     monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 0)
-    monkeypatch.setattr(api, "_device_memory", device_memory)
+    monkeypatch.setattr(auto_budget, "device_memory", device_memory)
     return memory
 
 
@@ -264,7 +264,7 @@ def test_auto_reads_free_memory_every_step_and_leaves_the_stated_reserve(fake_de
     assert predicted > 0
     for seed, free in enumerate([5 * 10**8, 10**8]):
         fake_device_memory["free"] = free
-        reserve = int(fake_device_memory["total"] * api.AUTO_BUDGET_MARGIN_SHARE) + gradients + predicted
+        reserve = int(fake_device_memory["total"] * auto_budget.AUTO_BUDGET_MARGIN_SHARE) + gradients + predicted
         assert_same_step(plain, offloaded, batch(seed=seed))
         assert offloaded.activation_offloading_stats().max_device_bytes == free - reserve
     assert fake_device_memory["reads"] == 2  # once per step, at its first layer
@@ -278,7 +278,7 @@ def test_auto_that_cannot_read_memory_mid_training_offloads_everything(fake_devi
     def unreadable(device):
         raise RuntimeError("no memory information for this device")
 
-    monkeypatch.setattr(api, "_device_memory", unreadable)
+    monkeypatch.setattr(auto_budget, "device_memory", unreadable)
     with caplog.at_level(logging.WARNING, logger="hf_offload"):
         for seed in range(2):
             assert_same_step(plain, offloaded, batch(seed=seed))
@@ -332,25 +332,23 @@ def test_the_earliest_layers_are_offloaded_and_the_last_ones_kept(monkeypatch):
 
 def test_auto_reserves_less_for_a_fused_loss_head():
     """Under Liger's fused linear cross-entropy the full logits never exist: "auto" reserves the
-    fused head's bytes (estimate.loss_head_bytes_per_token(fused=True)), not 12 x vocab."""
+    fused head's bytes (auto_budget.loss_head_bytes_per_token(fused=True)), not 12 x vocab."""
     from liger_kernel.transformers import apply_liger_kernel_to_llama
     from test_liger import transformers_restored
-
-    from hf_offload.estimate import Shape, loss_head_bytes_per_token
 
     model = tiny_model(num_hidden_layers=LAYERS)
     enable_sim(model)
     controller = model._hf_offload
     tokens = batch().numel()
-    shape = Shape.from_config(model.config)
+    shape = auto_budget.LayerShape.from_config(model.config)
     standard = api._predicted_step_bytes(controller, tokens)
     with transformers_restored():
         apply_liger_kernel_to_llama(
             model=model, rope=False, rms_norm=False, swiglu=False, cross_entropy=False, fused_linear_cross_entropy=True
         )
         fused = api._predicted_step_bytes(controller, tokens)
-    head = loss_head_bytes_per_token(shape, dtype_bytes=4)
-    fused_head = loss_head_bytes_per_token(shape, dtype_bytes=4, fused=True)
+    head = auto_budget.loss_head_bytes_per_token(shape, dtype_bytes=4)
+    fused_head = auto_budget.loss_head_bytes_per_token(shape, dtype_bytes=4, fused=True)
     assert standard - fused == tokens * (head - fused_head) > 0
 
 

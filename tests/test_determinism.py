@@ -19,7 +19,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.models.llama import modeling_llama
 
-from hf_offload.determinism import (
+from hf_offload.tools.determinism import (
     CUBLAS_WORKSPACE_VARIABLE,
     EXIT_CANNOT_TELL,
     EXIT_DIFFERENT,

@@ -8,11 +8,11 @@ import copy
 import pytest
 import torch
 
-from hf_offload.benchmarks.standin import stand_in_accelerator
 from hf_offload.engine import ActivationOffloader
 from hf_offload.engine.handles import HostCopy
 from hf_offload.engine.pool import HostBuffer
 from hf_offload.engine.streams import simulated_schedule
+from hf_offload.tools.benchmarks.standin import stand_in_accelerator
 
 
 def scope(engine, *, starts_pass=True, keep=False, protected=()):

@@ -12,8 +12,8 @@ from peft import LoraConfig, get_peft_model
 from torch.profiler import ProfilerActivity, profile
 
 import hf_offload
-from hf_offload.cli import main
-from hf_offload.estimate import (
+from hf_offload.tools.cli import main
+from hf_offload.tools.estimate import (
     DEVICES,
     MODES,
     PRESETS,

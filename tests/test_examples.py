@@ -12,9 +12,9 @@ import torch
 from conftest import run_example, tiny_model
 
 import hf_offload
-from hf_offload.cli import main
-from hf_offload.demo import run_demo
-from hf_offload.determinism import EXIT_CANNOT_TELL, EXIT_DIFFERENT, DeterministicKernels
+from hf_offload.tools.cli import main
+from hf_offload.tools.demo import run_demo
+from hf_offload.tools.determinism import EXIT_CANNOT_TELL, EXIT_DIFFERENT, DeterministicKernels
 
 ACCELERATOR_SETUP = "deterministic kernels: eager attention, torch.use_deterministic_algorithms(True, warn_only=True)"
 
@@ -127,7 +127,7 @@ CUDA_SETUP = ACCELERATOR_SETUP + ", CUBLAS_WORKSPACE_CONFIG=:4096:8"
 @on_cuda[0]
 @on_cuda[1]
 def test_demo_on_cuda_is_identical_with_its_control():
-    command = [sys.executable, "-m", "hf_offload.cli", "demo", "--device", "cuda", "--steps", "3", "--control"]
+    command = [sys.executable, "-m", "hf_offload.tools.cli", "demo", "--device", "cuda", "--steps", "3", "--control"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert CUDA_SETUP in result.stdout

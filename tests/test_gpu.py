@@ -1,5 +1,5 @@
 """On a CUDA device: parity with the real streams, less peak memory, no growth over many steps.
-Skipped without CUDA; `python -m hf_offload.benchmarks.gpu_check` runs them (and runs the parity
+Skipped without CUDA; `python -m hf_offload.tools.benchmarks.gpu_check` runs them (and runs the parity
 test again under PyTorch's CUDA stream sanitizer)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from conftest import cuda_peak_bytes
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_offload  # noqa: F401
-from hf_offload.bench import set_checkpointing
+from hf_offload.tools.bench import set_checkpointing
 
 pytestmark = [
     pytest.mark.gpu,

@@ -4,7 +4,7 @@ bug in the scripts themselves. What they measure on a GPU is in docs/benchmarks.
 
 from __future__ import annotations
 
-from hf_offload.benchmarks import gpu_check, gpu_long_context
+from hf_offload.tools.benchmarks import gpu_check, gpu_long_context
 
 
 def test_gpu_check_runs_every_stage(capsys):
@@ -33,7 +33,7 @@ def test_gpu_long_context_runs_every_stage(capsys):
 
 
 def test_budget_target_compares_with_the_fastest_mode_that_fits():
-    from hf_offload.bench import Record
+    from hf_offload.tools.bench import Record
 
     records = [
         Record("none", 4096, "ok", step_seconds=1.0),

@@ -65,10 +65,10 @@ from transformers.models.mistral import modeling_mistral
 from transformers.models.qwen2 import modeling_qwen2
 
 import hf_offload
-from hf_offload.adapters import BUILTIN_MODEL_TYPES, resolve_layers
-from hf_offload.api import LAYER_STATE_ATTR, MODEL_STATE_ATTR, _offloaded_forward, _unwrap
-from hf_offload.bench import set_checkpointing
-from hf_offload.liger import fused_linear_cross_entropy_in_use
+from hf_offload.adapters import BUILTIN_MODEL_TYPES, resolve_layers, unwrap_model
+from hf_offload.api import LAYER_STATE_ATTR, MODEL_STATE_ATTR, _offloaded_forward
+from hf_offload.integrations.liger import fused_linear_cross_entropy_in_use
+from hf_offload.tools.bench import set_checkpointing
 
 FAMILIES = ("llama", "qwen2", "mistral", "gemma")
 MODELING = {"llama": modeling_llama, "qwen2": modeling_qwen2, "mistral": modeling_mistral, "gemma": modeling_gemma}
@@ -239,7 +239,7 @@ def build(family: str, liger: dict | None, *orders: tuple[str, ...]) -> list[tor
         assert "liger_class" not in order[1:]
         for operation in order:
             if operation == "liger" and liger is not None:
-                apply(model=_unwrap(model), **options)
+                apply(model=unwrap_model(model), **options)
             elif operation == "offload":
                 enable_sim(model)
             elif operation == "peft":
@@ -287,7 +287,7 @@ def assert_offloading_wrapped(model: torch.nn.Module) -> None:
     """Every decoder layer runs hf_offload's wrapper, tied to the model's offloading state.
     (is_activation_offloading alone reads the layer attribute, which outlives a forward
     replaced by somebody else; the wrapper itself is checked here.)"""
-    base = _unwrap(model)
+    base = unwrap_model(model)
     assert hf_offload.is_activation_offloading(model)
     controller = base.__dict__[MODEL_STATE_ATTR]
     _, layers = resolve_layers(base)
@@ -300,7 +300,7 @@ def assert_offloading_wrapped(model: torch.nn.Module) -> None:
 
 def assert_liger_patched(model: torch.nn.Module, family: str, full: bool) -> None:
     """Liger's loss forward on the model; with `full`, its RMSNorm, MLP and RoPE as well."""
-    base = _unwrap(model)
+    base = unwrap_model(model)
     assert effective_forward(base) is lce_forward_of(family)
     assert fused_linear_cross_entropy_in_use(model)
     modeling = MODELING[family]
@@ -361,7 +361,7 @@ def test_full_liger_and_offloading_keep_each_others_patches(family, order):
     assert_liger_patched(model, family, full=True)
     assert_liger_patched(liger_alone, family, full=True)
     if "liger_class" in order:  # the classes themselves were replaced before the model was built
-        _, layers = resolve_layers(_unwrap(model))
+        _, layers = resolve_layers(unwrap_model(model))
         assert all(type(layer.mlp) is MLP_CLASS[family] for layer in layers)
         assert all(isinstance(layer.input_layernorm, LigerRMSNorm) for layer in layers)
 
@@ -676,7 +676,7 @@ else:
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 import hf_offload
-from hf_offload.liger import fused_linear_cross_entropy_in_use
+from hf_offload.integrations.liger import fused_linear_cross_entropy_in_use
 
 config = AutoConfig.for_model("llama", hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                               num_attention_heads=2, num_key_value_heads=1, vocab_size=50)

@@ -1,4 +1,4 @@
-"""`python -m hf_offload.benchmarks.trl_trainers`, the GPU script for SFTTrainer and GRPOTrainer,
+"""`python -m hf_offload.tools.benchmarks.trl_trainers`, the GPU script for SFTTrainer and GRPOTrainer,
 run end to end on the CPU (--device cpu: tiny preset, a few tokens, hf_offload's CPU simulation)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 from test_trl import cpu_capable_trl_offloading
 
-from hf_offload.benchmarks import trl_trainers
+from hf_offload.tools.benchmarks import trl_trainers
 
 SMOKE = ["--device", "cpu", "--steps", "1"]
 

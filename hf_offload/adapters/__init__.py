@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from torch import nn
 
 from . import gemma, llama, mistral, qwen2
-from .base import Adapter, FindLayers, UnsupportedModelError, hook_point
+from .base import Adapter, FindLayers, UnsupportedModelError, hook_point, unwrap_model
 from .generic import find_decoder_layers
 
 _REGISTRY: dict[str, Adapter] = {}
@@ -75,4 +75,5 @@ __all__ = [
     "registered_model_types",
     "resolve_layers",
     "unregister_adapter",
+    "unwrap_model",
 ]

@@ -22,6 +22,22 @@ class Adapter:
     find_layers: FindLayers
 
 
+def unwrap_model(model: object) -> nn.Module:
+    """The transformers model inside a PEFT, DDP or DataParallel wrapper, or the model itself."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"expected a torch.nn.Module such as a transformers PreTrainedModel, got {type(model).__name__}"
+        )
+    if type(model).__name__ in ("DistributedDataParallel", "DataParallel") and isinstance(
+        getattr(model, "module", None), nn.Module
+    ):
+        model = model.module
+    get_base_model = getattr(type(model), "get_base_model", None)
+    if callable(get_base_model):  # peft.PeftModel
+        return model.get_base_model()
+    return model
+
+
 def decoder_stack(model: nn.Module) -> nn.Module:
     """The module holding `.layers`: what `get_decoder()` returns, or the model itself."""
     get_decoder = getattr(model, "get_decoder", None)

@@ -591,7 +591,7 @@ class ActivationOffloader:
             step.peak_resident_bytes = resident
 
     def _start_pass(self, device: torch.device, pass_protected: Callable, tokens: int | None) -> None:
-        self._release_in_flight()
+        self.release_in_flight()
         self._learn_from_last_pass()
         # A new step begins after a backward, or when no graph of an earlier forward is alive
         # any more (it was dropped, or its backward failed before reaching a decoder layer).
@@ -666,7 +666,9 @@ class ActivationOffloader:
             )
         return chosen.offloaded_layers
 
-    def _release_in_flight(self) -> None:
+    def release_in_flight(self) -> None:
+        """Wait for every batch of copies to the host still in flight and let go of its sources
+        (what the next layer's end, or the start of backward, does)."""
         while self._in_flight:
             owner, batch = self._in_flight.popleft()
             owner.release(batch)
@@ -676,7 +678,7 @@ class ActivationOffloader:
         if backward != self._backward_id:
             self._backward_id = backward
             self._backward_since_step_start = True
-            self._release_in_flight()
+            self.release_in_flight()
             self.ledger.peak_device_bytes = self.ledger.device_bytes
         # Backward runs layers in reverse creation order: groups created after this one are done.
         if self._kept_resident:

@@ -41,7 +41,7 @@ def pinned_empty(nbytes: int) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
 
-def _empty_host_cache() -> None:
+def empty_host_cache() -> None:
     """torch.accelerator.empty_host_cache, which torch 2.11 lacks; there the CUDA host
     allocator's own (private) call does the same. Best effort: it runs when the pool is trimmed
     mid-training, and a backend without a host cache must not end the run."""
@@ -90,7 +90,7 @@ class AcceleratorStreams:
 
     def empty_host_cache(self) -> None:
         # torch caches freed pinned blocks itself; dropping our references alone frees nothing.
-        _empty_host_cache()
+        empty_host_cache()
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         if self.pinned:
@@ -244,7 +244,26 @@ def simulated_schedule(schedule: str, seed: int = 0) -> Iterator[None]:
         _simulation_schedule.update(previous)
 
 
+# Set by `device_streams`: what gives a new device its streams instead of the default.
+_streams_factory: list = []
+
+
+@contextlib.contextmanager
+def device_streams(factory) -> Iterator[None]:
+    """Within this block, devices an engine meets for the first time get their streams from
+    `factory(device)` instead of the default (`AcceleratorStreams` on an accelerator,
+    `SimulatedStreams` on the CPU). The stand-in accelerator runs the accelerator code path on
+    CPU tensors this way, and the memory simulator runs the engine on fake tensors."""
+    _streams_factory.append(factory)
+    try:
+        yield
+    finally:
+        _streams_factory.remove(factory)
+
+
 def streams_for(device: torch.device):
+    if _streams_factory:
+        return _streams_factory[-1](device)
     if device.type == "cpu":
         return SimulatedStreams(**_simulation_schedule)
     return AcceleratorStreams(device)

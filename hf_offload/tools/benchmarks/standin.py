@@ -20,7 +20,6 @@ from collections.abc import Iterator
 
 import torch
 
-import hf_offload.engine.offloader as offloader_module
 from hf_offload.engine import streams as streams_module
 
 
@@ -104,13 +103,13 @@ def stand_in_accelerator() -> Iterator[StandInAccelerator]:
         (torch, "Stream", accelerator.new_stream),
         (torch.accelerator, "current_stream", accelerator.current_stream),
         (streams_module, "pinned_empty", accelerator.pinned_empty),
-        (offloader_module, "streams_for", streams_module.AcceleratorStreams),
     ]
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
     for owner, name, value in patches:
         setattr(owner, name, value)
     try:
-        yield accelerator
+        with streams_module.device_streams(streams_module.AcceleratorStreams):
+            yield accelerator
     finally:
         for owner, name, value in saved:
             setattr(owner, name, value)

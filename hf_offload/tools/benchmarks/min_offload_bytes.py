@@ -1,6 +1,6 @@
 """Measure the fixed cost of offloading one saved tensor, to choose `min_offload_bytes`.
 
-    python -m hf_offload.benchmarks.min_offload_bytes [--link-gbps 25]
+    python -m hf_offload.tools.benchmarks.min_offload_bytes [--link-gbps 25]
 
 Times one pack and one restore through the real engine (CPU simulation) for tensors of
 growing size, takes the smallest size's time as the fixed cost per tensor, and reports the
@@ -38,7 +38,7 @@ def time_offload(nbytes: int, repeats: int) -> float:
         handles = [group.pack(tensor) for tensor in tensors]
         engine.exit_layer(group, "benchmark")
         context = group.device
-        engine._release_in_flight()
+        engine.release_in_flight()
         context.restore_async(group.copies)
         for handle in handles:
             handle.restore()

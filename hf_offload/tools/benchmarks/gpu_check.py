@@ -1,6 +1,6 @@
 """The GPU check: one command that measures what the package claims on a real accelerator.
 
-    python -m hf_offload.benchmarks.gpu_check [--seq-lens 4096 16384] [--steps 3] [--skip-tests]
+    python -m hf_offload.tools.benchmarks.gpu_check [--seq-lens 4096 16384] [--steps 3] [--skip-tests]
 
 Llama-3.2-1B's shape (random weights, bf16, batch 1), on one CUDA device:
 
@@ -18,7 +18,7 @@ Llama-3.2-1B's shape (random weights, bf16, batch 1), on one CUDA device:
    again under PyTorch's CUDA stream sanitizer (TORCH_CUDA_SANITIZER=1).
 
 Needs no network. Meant to finish within 6 minutes on one H100/H200-class GPU. The longest-context
-measurements (8B shape, Liger) are a second command: `python -m hf_offload.benchmarks.gpu_long_context`.
+measurements (8B shape, Liger) are a second command: `python -m hf_offload.tools.benchmarks.gpu_long_context`.
 
 `--cpu-smoke` runs every stage on the CPU with the tiny preset and the engine in simulation, with
 the CUDA-only measurements reported as skipped: it checks this script, not a GPU.
@@ -38,9 +38,9 @@ from pathlib import Path
 import torch
 
 import hf_offload
-from hf_offload.bench import MODES, Record, _configure, build_model, markdown_table, random_ids, sweep
+from hf_offload.tools.bench import MODES, Record, _configure, build_model, markdown_table, random_ids, sweep
 
-TESTS = Path(__file__).resolve().parents[2] / "tests"
+TESTS = Path(__file__).resolve().parents[3] / "tests"
 BUDGET_MODES = ("hf_offload_auto", "checkpointing+hf_offload_auto")
 LORA_MODES = tuple(mode for mode in MODES if mode != "transformers_offload")  # its 1B figures are enough
 

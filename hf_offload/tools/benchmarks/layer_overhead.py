@@ -1,6 +1,6 @@
 """The CPU time hf_offload adds to each decoder layer call, the cost that stalls short sequences.
 
-    python -m hf_offload.benchmarks.layer_overhead [--layers 16] [--steps 30]
+    python -m hf_offload.tools.benchmarks.layer_overhead [--layers 16] [--steps 30]
 
 On a GPU the forward pass is issued by the CPU ahead of the kernels; when issuing a layer takes
 longer than running it, the GPU waits. Checkpointing alone already keeps a 1B model at 4k tokens
@@ -14,7 +14,7 @@ with and without offloading (alternately, on twin models), on both paths:
 - `full`: no checkpointing, every saved tensor offloaded (min_offload_bytes=0, ~16 per layer).
 
 The engine runs its accelerator code path (`AcceleratorStreams`) against stand-in streams and
-events that do nothing (`hf_offload.benchmarks.standin`), so what is timed is the engine's own
+events that do nothing (`hf_offload.tools.benchmarks.standin`), so what is timed is the engine's own
 Python, not a driver's. A third twin runs each decoder layer under bare saved-tensor hooks that
 keep every tensor (`pack` returns `tensor.data`, `unpack` returns it), without hf_offload: the
 floor any offloader built on Python saved-tensor hooks pays before it does any work (autograd
@@ -38,8 +38,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_offload
-from hf_offload.bench import set_checkpointing
-from hf_offload.benchmarks.standin import stand_in_accelerator
+from hf_offload.tools.bench import set_checkpointing
+from hf_offload.tools.benchmarks.standin import stand_in_accelerator
 
 CONFIG = dict(
     hidden_size=64,

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import torch
 
-from . import __version__
-from .adapters import UnsupportedModelError, resolve_layers
+from hf_offload import UnsupportedModelError, __version__
+from hf_offload.internal import resolve_layers
+
 from .demo import build_tiny_llama, load_local_model, run_demo
 
 

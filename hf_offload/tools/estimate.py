@@ -743,7 +743,7 @@ def format_estimate(result: Estimate, *, link_gbps: float, tflops: float) -> str
 def format_budget_plan(result: Estimate, *, budget_bytes: int, keep_last_layers: int, prefetch_layers: int) -> str:
     """What hf_offload's device-memory budget (`max_device_bytes`) does with this step: the plan
     the engine would make from these per-layer bytes (engine/planner.py, the same function)."""
-    from .engine.planner import plan  # the engine imports no transformers either
+    from hf_offload.engine.planner import plan  # the engine imports no transformers either
 
     layers = result.shape.layers
     offloadable = max(layers - keep_last_layers, 0)

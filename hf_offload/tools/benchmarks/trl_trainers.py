@@ -1,9 +1,9 @@
 """TRL's SFTTrainer and GRPOTrainer with and without activation offloading: peak device memory
 and tokens/s.
 
-    python -m hf_offload.benchmarks.trl_trainers [--seq-lens 4096 16384] [--steps 3] [--trainers sft grpo]
+    python -m hf_offload.tools.benchmarks.trl_trainers [--seq-lens 4096 16384] [--steps 3] [--trainers sft grpo]
         [--setups neither trl_offload hf_offload] [--preset 1b] [--no-checkpointing] [--lora-rank R]
-    python -m hf_offload.benchmarks.trl_trainers --device cpu   # smoke run: tiny preset, a few tokens
+    python -m hf_offload.tools.benchmarks.trl_trainers --device cpu   # smoke run: tiny preset, a few tokens
 
 For each trainer and sequence length it trains a fresh random-weight Llama (the preset's shape,
 bf16, built directly on the device) for a few steps in three setups: neither offloading; TRL's
@@ -50,8 +50,8 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_offload import bench
-from hf_offload.bench import PRESET_CONFIGS
+from hf_offload.tools import bench
+from hf_offload.tools.bench import PRESET_CONFIGS
 
 TRAINERS = ("sft", "grpo")
 SETUPS = ("neither", "trl_offload", "hf_offload")
@@ -424,7 +424,7 @@ def main(argv=None) -> int:
     from accelerate import PartialState
     from transformers.utils import logging as transformers_logging
 
-    from hf_offload.benchmarks.gpu_check import package_versions
+    from hf_offload.tools.benchmarks.gpu_check import package_versions
 
     # TRL's logging goes through accelerate's, which refuses to log before the state exists.
     PartialState(cpu=device.type == "cpu")

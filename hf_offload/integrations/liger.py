@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .api import _unwrap
+from ..adapters import unwrap_model
 
 # Every causal LM forward Liger installs lives in a module under this package, and it installs
 # one only when fused_linear_cross_entropy is on (its plain `cross_entropy=True` option replaces
@@ -47,7 +47,7 @@ def fused_linear_cross_entropy_in_use(model: nn.Module) -> bool:
     model was built, or by `TrainingArguments(use_liger_kernel=True)` once `Trainer.train()`
     has started (the Trainer applies Liger there, not when it is constructed).
     """
-    target = _unwrap(model)
+    target = unwrap_model(model)
     instance_forward = target.__dict__.get("forward")
     forward = instance_forward if instance_forward is not None else type(target).forward
     return _defining_module(forward).startswith(_LIGER_FORWARDS_PACKAGE)

@@ -1,6 +1,6 @@
 """Long-run check: train a tiny model for many steps with and without offloading in lockstep.
 
-    python -m hf_offload.benchmarks.soak [--steps 1000]
+    python -m hf_offload.tools.benchmarks.soak [--steps 1000]
 
 Prints, every `--every` steps, the process RSS, the host pool size and the host memory held by
 live handles, and at the end whether every loss and the final weights were bit-identical to

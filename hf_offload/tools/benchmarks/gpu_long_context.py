@@ -1,6 +1,6 @@
 """The longest context per GPU, measured: the second GPU command, after `gpu_check`.
 
-    python -m hf_offload.benchmarks.gpu_long_context [--lengths 4096 8192] [--skip-tests]
+    python -m hf_offload.tools.benchmarks.gpu_long_context [--lengths 4096 8192] [--skip-tests]
 
 Llama-3-8B's shape with LoRA r=16 on every linear layer (PEFT's fp32 adapters), bf16 weights built
 on the device, batch 1, non-reentrant checkpointing in every mode:
@@ -35,11 +35,11 @@ from pathlib import Path
 
 import torch
 
-from hf_offload.bench import MaxSeq, build_model, max_seq, max_seq_table, predict_max_seq
-from hf_offload.benchmarks.gpu_check import package_versions
-from hf_offload.estimate import DEVICES
+from hf_offload.tools.bench import MaxSeq, build_model, max_seq, max_seq_table, predict_max_seq
+from hf_offload.tools.benchmarks.gpu_check import package_versions
+from hf_offload.tools.estimate import DEVICES
 
-TESTS = Path(__file__).resolve().parents[2] / "tests"
+TESTS = Path(__file__).resolve().parents[3] / "tests"
 MODES = (
     "checkpointing",
     "checkpointing+liger",

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 import hf_offload
-from hf_offload.api import _device_memory, _unwrap
+from hf_offload.internal import device_memory, empty_host_cache, fused_linear_cross_entropy_in_use, unwrap_model
 
 MODES = (
     "none",
@@ -183,8 +183,6 @@ def set_checkpointing(model, enabled: bool, *, offload: bool = False) -> None:
 def is_liger_flce(model) -> bool:
     """Whether Liger's FLCE is on this instance's own `forward`, the one `set_liger_flce` sets
     (`apply_liger_kernel_to_llama(model=...)` sets `model.forward = MethodType(lce_forward, model)`)."""
-    from .liger import fused_linear_cross_entropy_in_use
-
     return "forward" in model.__dict__ and fused_linear_cross_entropy_in_use(model)
 
 
@@ -259,7 +257,7 @@ def _configure(model, mode: str, device: torch.device, min_offload_bytes: int | 
     the device's free memory at each step; on the CPU, where there is none, they take
     `memory_limit` (the byte accounting's limit) as the budget, and are unavailable without it."""
     base_mode, liger = split_mode(mode)
-    base = _unwrap(model)
+    base = unwrap_model(model)
     _remove_trl_hooks(model)
     set_liger_flce(base, False)
     hf_offload.disable_activation_offloading(base)
@@ -350,8 +348,9 @@ def _measure(
                     # Enabling again reconfigures the engine and keeps what it measured.
                     outside = counter.total - hf_offload.activation_offloading_stats(model).layer_activation_bytes
                     options = {} if min_offload_bytes is None else {"min_offload_bytes": min_offload_bytes}
+                    budget = max(memory_limit - outside, 0)
                     hf_offload.enable_activation_offloading(
-                        _unwrap(model), simulate_on_cpu=True, max_device_bytes=max(memory_limit - outside, 0), **options
+                        unwrap_model(model), simulate_on_cpu=True, max_device_bytes=budget, **options
                     )
                 step()  # the first step measured the layers (all offloaded); this one follows the plan
             stats = hf_offload.activation_offloading_stats(model)
@@ -413,9 +412,7 @@ def _release_memory(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-        from hf_offload.engine.streams import _empty_host_cache
-
-        _empty_host_cache()
+        empty_host_cache()
 
 
 def _probe(model, mode, seq_len, batch_size, steps, device, min_offload_bytes=None, **options) -> Record:
@@ -627,7 +624,7 @@ def device_budget(device: torch.device, memory_limit: int | None) -> int | None:
     """Bytes this process can have allocated: the limit, or on CUDA what is free plus what its
     allocator already holds. None on the CPU without a limit (there is no device memory)."""
     if device.type == "cuda":
-        available, _total = _device_memory(device)  # what a step can still take
+        available, _total = device_memory(device)  # what a step can still take
         reachable = available + torch.cuda.memory_allocated(device)
         return reachable if memory_limit is None else min(memory_limit, reachable)
     return memory_limit

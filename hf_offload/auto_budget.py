@@ -1,0 +1,126 @@
+"""What `max_device_bytes="auto"` needs at run time: the device's free memory, and a small pure
+prediction of what a step needs on the device beyond the decoder layers' saved activations.
+
+The prediction is deliberately small: the loss head's peak and one decoder layer's full
+activations (its working memory, and the layer a checkpoint recomputes in backward), per token,
+from the model's config. `hf-offload estimate` simulates whole steps instead (docs/estimate.md);
+its tests hold this prediction to the simulation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Left free by max_device_bytes="auto": a share of the device's memory for the allocator's
+# fragmentation, kernels' workspaces and what the step allocates outside the decoder layers.
+AUTO_BUDGET_MARGIN_SHARE = 0.05
+
+FP32 = 4
+
+
+def device_memory(device: torch.device) -> tuple[int, int]:
+    """(bytes a step can still take, total bytes) of `device`: the driver's free memory plus what
+    torch's caching allocator holds unused (that is free to the step too)."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        allocated = torch.cuda.memory_allocated(device)
+        available = free + torch.cuda.memory_reserved(device) - allocated
+        # A process capped with torch.cuda.set_per_process_memory_fraction gets no more than that.
+        fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 1.0)(device)
+        if fraction < 1.0:
+            available = min(available, int(total * fraction) - allocated)
+        return available, total
+    free, total = torch.accelerator.get_memory_info(device)
+    return free + torch.accelerator.memory_reserved(device) - torch.accelerator.memory_allocated(device), total
+
+
+def check_device_memory_readable() -> None:
+    """max_device_bytes="auto" needs the accelerator's free memory at every step: fail at enable
+    time, where it cannot be read, rather than in the middle of training. Nothing is asked of the
+    device itself here (that would create a CUDA context on the current device, GPU 0 for every
+    rank of a torchrun job that enables before choosing its device): the first step reads the
+    memory, on the layers' own device."""
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if accelerator is None:
+        raise ValueError(
+            "option max_device_bytes='auto' reads the accelerator's free memory at every step, and no "
+            "accelerator is available here (torch.accelerator.is_available() is False); pass a number of "
+            "bytes, or None to offload every layer"
+        )
+    if accelerator.type != "cuda" and not hasattr(torch.accelerator, "get_memory_info"):
+        raise ValueError(
+            f"option max_device_bytes='auto' cannot read the free memory of {accelerator.type} devices with "
+            f"torch {torch.__version__} (no torch.accelerator.get_memory_info); pass a number of bytes, or None "
+            "to offload every layer"
+        )
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """The numbers of a decoder-only config that decide the loss head's and one layer's memory."""
+
+    model_type: str
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+
+    @classmethod
+    def from_config(cls, config) -> LayerShape:
+        """From a transformers config or its dict; composite models through `text_config`."""
+        config = getattr(config, "text_config", None) or config
+        get = config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
+        heads, hidden = get("num_attention_heads"), get("hidden_size")
+        shape = cls(
+            model_type=str(get("model_type", "")),
+            hidden=hidden,
+            intermediate=get("intermediate_size"),
+            heads=heads,
+            kv_heads=get("num_key_value_heads") or heads,
+            head_dim=get("head_dim") or (hidden // heads if hidden and heads else None),
+            vocab=get("vocab_size"),
+        )
+        needed = ("hidden", "intermediate", "heads", "head_dim", "vocab")
+        missing = [name for name in needed if not getattr(shape, name)]
+        if missing:
+            raise ValueError(f"config of model_type {shape.model_type!r} has no usable {', '.join(missing)}")
+        return shape
+
+
+def layer_bytes_per_token(shape: LayerShape, *, dtype_bytes: int) -> int:
+    """What one Llama-style decoder layer (RMSNorm, SDPA with grouped-query attention, gated MLP)
+    saves per token in full fine-tuning: both norms' float32 inputs and outputs, the inputs of
+    the projections, q, k, v, the attention output and its float32 log-sum-exp, and the MLP's
+    four intermediate tensors."""
+    e, d, f = dtype_bytes, shape.hidden, shape.intermediate
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    attention = e * (2 * q + 2 * kv) + FP32 * shape.heads
+    norm_output = FP32 * d if shape.model_type.startswith("gemma") else e * d
+    norm = FP32 * d + FP32 + norm_output
+    return 2 * norm + 2 * e * d + attention + 4 * e * f
+
+
+def loss_head_bytes_per_token(shape: LayerShape, *, dtype_bytes: int, fused: bool = False) -> int:
+    """The loss head's peak per token beyond the layers' activations. transformers' loss: inside
+    `log_softmax`'s backward, three float32 tensors of vocabulary size (its saved output, the
+    gradient coming in, the gradient going out). A fused linear cross-entropy (Liger's) holds the
+    input hidden states, the input gradient it computes in forward, a chunk's logits (at most
+    `2 x hidden` elements per token) and a few bytes of loss, mask and target per token."""
+    if fused:
+        e, d = dtype_bytes, shape.hidden
+        return 4 * e * d + FP32 + 1 + 8
+    return 3 * FP32 * shape.vocab
+
+
+def predicted_step_bytes(config, *, dtype: torch.dtype, tokens: int, fused_loss: bool) -> int:
+    """Device bytes a step of `tokens` tokens needs beyond the decoder layers' saved activations,
+    the weights and the gradients: the loss head's peak and one layer's full activations."""
+    shape = LayerShape.from_config(config)
+    dtype_bytes = torch.empty(0, dtype=dtype).element_size()
+    layer = layer_bytes_per_token(shape, dtype_bytes=dtype_bytes)
+    head = loss_head_bytes_per_token(shape, dtype_bytes=dtype_bytes, fused=fused_loss)
+    return tokens * (layer + head)

@@ -1,0 +1,17 @@
+"""The small interface hf_offload's own tools (`hf_offload.tools`: the `hf-offload` command, the
+benchmarks, the memory simulator) use beyond the public API. Not for users: these names may
+change without notice. The product never imports the tools; the tools reach into the product
+only through the public names and these."""
+
+from .adapters import resolve_layers, unwrap_model
+from .auto_budget import device_memory
+from .engine.streams import empty_host_cache
+from .integrations.liger import fused_linear_cross_entropy_in_use
+
+__all__ = [
+    "device_memory",
+    "empty_host_cache",
+    "fused_linear_cross_entropy_in_use",
+    "resolve_layers",
+    "unwrap_model",
+]
