@@ -9,6 +9,7 @@ import torch
 from transformers import LlamaConfig
 
 import hf_offload.tools.bench as bench
+from hf_offload.tools import modes
 from hf_offload.tools.cli import main
 
 
@@ -137,12 +138,12 @@ class OlderTransformersModel:
 
 def test_checkpointing_on_transformers_without_activation_checkpointing_api():
     model = OlderTransformersModel()
-    bench.set_checkpointing(model, True)
-    bench.set_checkpointing(model, False)
+    modes.set_checkpointing(model, True)
+    modes.set_checkpointing(model, False)
     assert model.calls == [("enable", {"use_reentrant": False}), ("disable",)]
     # offload=True does not exist there: the sweep records the mode as skipped, with the reason.
     with pytest.raises(ImportError, match=r"has no activation_checkpointing_enable\(offload=True\)"):
-        bench.set_checkpointing(model, True, offload=True)
+        modes.set_checkpointing(model, True, offload=True)
 
 
 # -- TRL's offloading as the bench runs it, with a PEFT model -------------------------------------

@@ -17,8 +17,10 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 import hf_offload
 import hf_offload.tools.bench as bench
+from hf_offload.tools import modes
 from hf_offload.tools.bench import Record, find_max_seq, fit_bytes_per_token, predict_max_seq, slope_max_seq
 from hf_offload.tools.cli import main
+from hf_offload.tools.presets import preset_config
 
 CPU = torch.device("cpu")
 
@@ -263,12 +265,12 @@ def test_a_verification_step_is_one_step_and_still_reports_what_was_offloaded():
 def test_liger_flce_is_an_instance_forward_and_comes_off_again(family):
     model = tiny_model(family)
     class_forward = type(model).forward
-    bench.set_liger_flce(model, True)
-    assert bench.is_liger_flce(model) and "forward" in model.__dict__
+    modes.set_liger_flce(model, True)
+    assert modes.is_liger_flce(model) and "forward" in model.__dict__
     assert type(model).forward is class_forward, "Liger must patch the instance, never the class"
     assert model.forward.__func__.__module__ == f"liger_kernel.transformers.model.{family}"
-    bench.set_liger_flce(model, False)
-    assert not bench.is_liger_flce(model) and "forward" not in model.__dict__
+    modes.set_liger_flce(model, False)
+    assert not modes.is_liger_flce(model) and "forward" not in model.__dict__
     # Nothing else of Liger's was applied: the layers keep transformers' own modules.
     assert type(model.model.norm).__module__.startswith("transformers.")
     assert type(model.model.layers[0].mlp).__module__.startswith("transformers.")
@@ -281,7 +283,7 @@ def test_liger_on_the_cpu_is_recorded_as_failed_not_fatal():
     # Liger's kernels are Triton, which has no CPU driver: the step fails, with the reason.
     assert result.max_seq_len is None and len(result.probes) == 1
     assert result.status.startswith("stopped at 16: failed: ") and "driver" in result.status
-    assert not bench.is_liger_flce(model), "the failed mode was taken off again"
+    assert not modes.is_liger_flce(model), "the failed mode was taken off again"
 
 
 def pure_torch_flce(calls):
@@ -341,7 +343,7 @@ def test_liger_modes_run_through_with_a_stand_in_kernel(monkeypatch):
     torch.testing.assert_close(loss, expected_loss)
     torch.testing.assert_close(actual, expected)
     bench._configure(model, "none", CPU)
-    assert not bench.is_liger_flce(model.get_base_model())
+    assert not modes.is_liger_flce(model.get_base_model())
 
 
 # -- presets and building weights --------------------------------------------------------------
@@ -353,7 +355,7 @@ def test_liger_modes_run_through_with_a_stand_in_kernel(monkeypatch):
     [("llama-3-8b", "llama", 8_030_261_248, 4), ("qwen2-7b", "qwen2", 7_615_616_512, 7)],
 )
 def test_large_presets_have_the_real_models_shapes(preset, model_type, parameters, queries_per_kv_head):
-    config = bench.preset_config(preset)
+    config = preset_config(preset)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     assert config.model_type == model_type

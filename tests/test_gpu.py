@@ -12,7 +12,7 @@ from conftest import cuda_peak_bytes
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_offload  # noqa: F401
-from hf_offload.tools.bench import set_checkpointing
+from hf_offload.tools.modes import set_checkpointing
 
 pytestmark = [
     pytest.mark.gpu,

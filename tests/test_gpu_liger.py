@@ -15,7 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_offload  # noqa: F401
 from hf_offload.integrations.liger import fused_linear_cross_entropy_in_use
-from hf_offload.tools.bench import set_checkpointing
+from hf_offload.tools.modes import set_checkpointing
 
 pytestmark = [
     pytest.mark.gpu,

@@ -68,7 +68,7 @@ import hf_offload
 from hf_offload.adapters import BUILTIN_MODEL_TYPES, resolve_layers, unwrap_model
 from hf_offload.api import LAYER_STATE_ATTR, MODEL_STATE_ATTR, _offloaded_forward
 from hf_offload.integrations.liger import fused_linear_cross_entropy_in_use
-from hf_offload.tools.bench import set_checkpointing
+from hf_offload.tools.modes import set_checkpointing
 
 FAMILIES = ("llama", "qwen2", "mistral", "gemma")
 MODELING = {"llama": modeling_llama, "qwen2": modeling_qwen2, "mistral": modeling_mistral, "gemma": modeling_gemma}

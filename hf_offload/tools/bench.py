@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import inspect
 import json
 import math
 import os
@@ -25,59 +24,14 @@ from pathlib import Path
 import torch
 
 import hf_offload
-from hf_offload.internal import device_memory, empty_host_cache, fused_linear_cross_entropy_in_use, unwrap_model
-
-MODES = (
-    "none",
-    "hf_offload",
-    "checkpointing",
-    "checkpointing+hf_offload",
-    "hf_offload_auto",
-    "checkpointing+hf_offload_auto",
-    "transformers_offload",
-    "trl_offload",
+from hf_offload.internal import device_memory, empty_host_cache, unwrap_model
+from hf_offload.tools.modes import (
+    WITHOUT_HF_OFFLOAD,
+    parse_mode,
+    set_checkpointing,
+    set_liger_flce,
 )
-# The modes with hf_offload, and the same mode without it. The `_auto` ones give hf_offload a
-# device-memory budget (max_device_bytes="auto"): it offloads only the layers that must move.
-WITHOUT_HF_OFFLOAD = {
-    "hf_offload": "none",
-    "checkpointing+hf_offload": "checkpointing",
-    "hf_offload_auto": "none",
-    "checkpointing+hf_offload_auto": "checkpointing",
-}
-# Any mode with this suffix also computes the loss with Liger's fused linear cross-entropy (FLCE),
-# which never materialises the vocabulary-wide logits.
-LIGER = "+liger"
-ALL_MODES = MODES + tuple(mode + LIGER for mode in MODES)
-
-PRESET_CONFIGS = {
-    # Small enough for two CPU cores, shaped like a real Llama (GQA, SwiGLU, RoPE).
-    "tiny": dict(model_type="llama", hidden_size=256, intermediate_size=704, num_hidden_layers=6,
-                 num_attention_heads=8, num_key_value_heads=2, vocab_size=2048),
-    # Llama-3.2-1B's shape.
-    "1b": dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-               num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
-               tie_word_embeddings=True),
-    # Meta-Llama-3-8B's config.json (8,030,261,248 parameters).
-    "llama-3-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                       num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-                       max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
-                       tie_word_embeddings=False),
-    # Qwen2-7B's config.json (7,615,616,512 parameters; Qwen2 has biases on q, k and v).
-    "qwen2-7b": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                     num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
-                     max_position_embeddings=131072, rope_theta=1000000.0, rms_norm_eps=1e-6,
-                     tie_word_embeddings=False),
-}  # fmt: skip
-
-
-def split_mode(mode: str) -> tuple[str, bool]:
-    """("checkpointing+hf_offload+liger") -> ("checkpointing+hf_offload", True)."""
-    liger = mode.endswith(LIGER)
-    base = mode[: -len(LIGER)] if liger else mode
-    if base not in MODES:
-        raise ValueError(f"unknown bench mode {mode!r}; valid: {', '.join(ALL_MODES)}")
-    return base, liger
+from hf_offload.tools.presets import preset_config
 
 
 @dataclass
@@ -118,16 +72,6 @@ class _SavedBytes:
         return sum(self._seen.values())
 
 
-def preset_config(preset: str):
-    """The transformers config of a built-in shape."""
-    from transformers import AutoConfig
-
-    if preset not in PRESET_CONFIGS:
-        raise ValueError(f"unknown preset {preset!r}; valid: {', '.join(PRESET_CONFIGS)}")
-    options = dict(PRESET_CONFIGS[preset])
-    return AutoConfig.for_model(options.pop("model_type"), **options)
-
-
 def build_on_device(config, device: torch.device, dtype: torch.dtype):
     """A randomly initialised model whose weights are created, initialised and kept in `dtype` on
     `device`: an 8B model never exists in fp32 or on the CPU (that takes minutes and 32 GB).
@@ -157,59 +101,6 @@ def build_model(preset: str | None, model_path: str | None, device: torch.device
         return build_on_device(config, device, dtype)
     model = AutoModelForCausalLM.from_config(config)
     return model.to(device=device, dtype=dtype).train()
-
-
-def set_checkpointing(model, enabled: bool, *, offload: bool = False) -> None:
-    """transformers' activation checkpointing (non-reentrant). Releases without the
-    activation_checkpointing_* methods (5.17 has only gradient_checkpointing_*) have no offload=True:
-    that mode is then skipped, as an ImportError says to the sweep."""
-    if hasattr(model, "activation_checkpointing_enable"):
-        if enabled:
-            model.activation_checkpointing_enable(offload=offload)
-        else:
-            model.activation_checkpointing_disable()
-        return
-    import transformers
-
-    if offload:
-        version = transformers.__version__
-        raise ImportError(f"transformers {version} has no activation_checkpointing_enable(offload=True)")
-    if enabled:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_disable()
-
-
-def is_liger_flce(model) -> bool:
-    """Whether Liger's FLCE is on this instance's own `forward`, the one `set_liger_flce` sets
-    (`apply_liger_kernel_to_llama(model=...)` sets `model.forward = MethodType(lce_forward, model)`)."""
-    return "forward" in model.__dict__ and fused_linear_cross_entropy_in_use(model)
-
-
-def set_liger_flce(model, enabled: bool) -> None:
-    """Compute the loss of this causal LM instance with Liger's fused linear cross-entropy, and
-    nothing else of Liger's: its RMSNorm, SwiGLU and RoPE patches are left off, because they replace
-    classes and module functions for every model in the process. `enabled=False` removes the
-    instance's `forward` again, which restores the class's."""
-    if not enabled:
-        if is_liger_flce(model):
-            del model.forward
-        return
-    if is_liger_flce(model):
-        return
-    if "forward" in model.__dict__:
-        raise RuntimeError(f"{type(model).__name__}.forward is already replaced on this instance; Liger would hide it")
-    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
-
-    model_type = model.config.model_type
-    apply = MODEL_TYPE_TO_APPLY_LIGER_FN.get(model_type)
-    if apply is None:
-        raise ValueError(f"Liger has no kernels for model type {model_type!r}")
-    # Every switch off (their names differ per family) except the fused loss.
-    switches = {name: False for name, p in inspect.signature(apply).parameters.items() if isinstance(p.default, bool)}
-    apply(model=model, **{**switches, "fused_linear_cross_entropy": True})
-    if not is_liger_flce(model):
-        raise RuntimeError(f"Liger's apply function for {model_type!r} did not replace forward on the instance")
 
 
 def _accelerate_state() -> None:
@@ -256,13 +147,14 @@ def _configure(model, mode: str, device: torch.device, min_offload_bytes: int | 
     """Put `model` in `mode`; returns a context factory for each forward. The `_auto` modes read
     the device's free memory at each step; on the CPU, where there is none, they take
     `memory_limit` (the byte accounting's limit) as the budget, and are unavailable without it."""
-    base_mode, liger = split_mode(mode)
+    parsed = parse_mode(mode)
+    base_mode = parsed.base
     base = unwrap_model(model)
     _remove_trl_hooks(model)
     set_liger_flce(base, False)
     hf_offload.disable_activation_offloading(base)
     set_checkpointing(base, False)
-    if liger:
+    if parsed.liger:
         set_liger_flce(base, True)
     if base_mode in WITHOUT_HF_OFFLOAD:
         options = {} if min_offload_bytes is None else {"min_offload_bytes": min_offload_bytes}
@@ -313,8 +205,8 @@ def _measure(
     `memory_limit` on the CPU turns resident activation bytes above it into a simulated
     out-of-memory (on CUDA the allocator enforces the limit itself)."""
     forward_context = _configure(model, mode, device, min_offload_bytes, memory_limit)
-    base_mode, liger = split_mode(mode)
-    budgeted = base_mode.endswith("_auto")
+    parsed = parse_mode(mode)
+    budgeted = parsed.budget
     # A budget's plan needs the bytes per layer of one step first: never time that step.
     warmup = warmup or budgeted
     ids = random_ids(model, batch_size, seq_len, device)
@@ -334,7 +226,7 @@ def _measure(
     if hf_offload.is_activation_offloading(model):
         if accounting:
             # What the same mode saves without hf_offload, counted outside any hooks of ours.
-            without = WITHOUT_HF_OFFLOAD[base_mode] + (LIGER if liger else "")
+            without = parsed.without_hf_offload()
             _configure(model, without, device)
             counter = _SavedBytes(model)
             step(counter)
@@ -693,7 +585,7 @@ def max_seq(
     if method not in ("search", "slope"):
         raise ValueError(f"method must be 'search' or 'slope', got {method!r}")
     for mode in modes:
-        split_mode(mode)
+        parse_mode(mode)
     # The byte accounting runs one more step, without hf_offload, that on a GPU would run out of
     # memory long before the mode does; the CPU needs it as its memory figure.
     options = dict(memory_limit=memory_limit, accounting=device.type == "cpu")

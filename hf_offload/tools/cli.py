@@ -328,7 +328,8 @@ def _run_estimate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
 
 
 def _add_bench_command(commands: argparse._SubParsersAction) -> None:
-    from .bench import ALL_MODES, MODES, PRESET_CONFIGS
+    from .modes import ALL_MODES, MODES
+    from .presets import preset_names
 
     bench = commands.add_parser(
         "bench",
@@ -345,7 +346,7 @@ def _add_bench_command(commands: argparse._SubParsersAction) -> None:
     )
     bench.add_argument(
         "--preset",
-        choices=list(PRESET_CONFIGS),
+        choices=preset_names(),
         default=None,
         help="a built-in shape (default tiny on CPU, 1b on CUDA)",
     )
@@ -429,7 +430,8 @@ def _add_bench_command(commands: argparse._SubParsersAction) -> None:
 
 
 def _run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from .bench import LIGER, run_bench
+    from .bench import run_bench
+    from .modes import LIGER
 
     cuda = args.device.type == "cuda"
     if args.dtype is None:

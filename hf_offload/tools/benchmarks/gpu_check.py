@@ -38,7 +38,8 @@ from pathlib import Path
 import torch
 
 import hf_offload
-from hf_offload.tools.bench import MODES, Record, _configure, build_model, markdown_table, random_ids, sweep
+from hf_offload.tools.bench import Record, _configure, build_model, markdown_table, random_ids, sweep
+from hf_offload.tools.modes import MODES
 
 TESTS = Path(__file__).resolve().parents[3] / "tests"
 BUDGET_MODES = ("hf_offload_auto", "checkpointing+hf_offload_auto")

@@ -38,8 +38,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_offload
-from hf_offload.tools.bench import set_checkpointing
 from hf_offload.tools.benchmarks.standin import stand_in_accelerator
+from hf_offload.tools.modes import set_checkpointing
 
 CONFIG = dict(
     hidden_size=64,

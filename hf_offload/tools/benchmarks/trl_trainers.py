@@ -51,7 +51,7 @@ from dataclasses import dataclass
 import torch
 
 from hf_offload.tools import bench
-from hf_offload.tools.bench import PRESET_CONFIGS
+from hf_offload.tools.presets import PRESET_ALIASES, PRESET_CONFIGS, preset_config, preset_names
 
 TRAINERS = ("sft", "grpo")
 SETUPS = ("neither", "trl_offload", "hf_offload")
@@ -110,7 +110,7 @@ def offline_tokenizer(vocab_size: int):
 def build_model(options: Options):
     """Random weights in the preset's shape, initialised on the device in the run's dtype (no host
     copy of a 1B model, no download)."""
-    config = bench.preset_config(options.preset)
+    config = preset_config(options.preset)
     tokens = dict(pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS)
     config.update(dict(tokens, max_position_embeddings=options.max_positions))
     torch.manual_seed(0)
@@ -316,7 +316,7 @@ def measure(trainer_name: str, setup: str, seq_len: int, tokenizer, options: Opt
 
 
 def run_all(trainers, setups, seq_lens, options: Options, report: Callable[[Record], None] = lambda record: None):
-    tokenizer = offline_tokenizer(PRESET_CONFIGS[options.preset]["vocab_size"])
+    tokenizer = offline_tokenizer(PRESET_CONFIGS[PRESET_ALIASES.get(options.preset, options.preset)]["vocab_size"])
     records = []
     for trainer_name in trainers:
         stopped: dict[str, str] = {}
@@ -376,7 +376,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--setups", nargs="+", choices=SETUPS, default=list(SETUPS), help="ratios need 'neither' (default: all three)"
     )
-    parser.add_argument("--preset", choices=sorted(PRESET_CONFIGS), help="Llama shape (default 1b; cpu tiny)")
+    parser.add_argument("--preset", choices=preset_names(), help="Llama shape (default 1b; cpu tiny)")
     parser.add_argument("--no-checkpointing", action="store_true", help="turn gradient checkpointing off in all setups")
     parser.add_argument("--lora-rank", type=int, default=0, help="train a LoRA adapter of this rank (default 0: full)")
     parser.add_argument("--sft-batch-size", type=int, default=1)

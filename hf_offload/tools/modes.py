@@ -1,0 +1,125 @@
+"""The memory-saving modes the tools compare, by name, and the switches that put a model in one.
+
+A mode is a base (`none`, `hf_offload`, `checkpointing`, `checkpointing+hf_offload`, the two
+budget modes `..._auto`, `transformers_offload`, `trl_offload`) with optional suffixes: `+liger`
+computes the loss with Liger's fused linear cross-entropy (FLCE), which never materialises the
+vocabulary-wide logits.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+from hf_offload.internal import fused_linear_cross_entropy_in_use
+
+MODES = (
+    "none",
+    "hf_offload",
+    "checkpointing",
+    "checkpointing+hf_offload",
+    "hf_offload_auto",
+    "checkpointing+hf_offload_auto",
+    "transformers_offload",
+    "trl_offload",
+)
+# The modes with hf_offload, and the same mode without it. The `_auto` ones give hf_offload a
+# device-memory budget (max_device_bytes="auto"): it offloads only the layers that must move.
+WITHOUT_HF_OFFLOAD = {
+    "hf_offload": "none",
+    "checkpointing+hf_offload": "checkpointing",
+    "hf_offload_auto": "none",
+    "checkpointing+hf_offload_auto": "checkpointing",
+}
+LIGER = "+liger"
+SUFFIXES = (LIGER,)
+ALL_MODES = MODES + tuple(mode + LIGER for mode in MODES)
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    base: str  # one of MODES
+    liger: bool = False
+
+    @property
+    def checkpointing(self) -> bool:
+        return self.base.startswith("checkpointing") or self.base == "transformers_offload"
+
+    @property
+    def hf_offload(self) -> bool:
+        return self.base in WITHOUT_HF_OFFLOAD
+
+    @property
+    def budget(self) -> bool:
+        return self.base.endswith("_auto")
+
+    def without_hf_offload(self) -> str:
+        return WITHOUT_HF_OFFLOAD[self.base] + (LIGER if self.liger else "")
+
+
+def parse_mode(name: str) -> Mode:
+    """"checkpointing+hf_offload+liger" -> Mode(base="checkpointing+hf_offload", liger=True)."""
+    base, found = name, set()
+    while True:
+        suffix = next((s for s in SUFFIXES if base.endswith(s) and s not in found), None)
+        if suffix is None:
+            break
+        found.add(suffix)
+        base = base[: -len(suffix)]
+    if base not in MODES:
+        raise ValueError(f"unknown mode {name!r}; valid: {', '.join(ALL_MODES)}")
+    return Mode(name, base, liger=LIGER in found)
+
+
+def set_checkpointing(model, enabled: bool, *, offload: bool = False) -> None:
+    """transformers' activation checkpointing (non-reentrant). Releases without the
+    activation_checkpointing_* methods (5.17 has only gradient_checkpointing_*) have no offload=True:
+    that mode is then skipped, as an ImportError says to the sweep."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        if enabled:
+            model.activation_checkpointing_enable(offload=offload)
+        else:
+            model.activation_checkpointing_disable()
+        return
+    import transformers
+
+    if offload:
+        version = transformers.__version__
+        raise ImportError(f"transformers {version} has no activation_checkpointing_enable(offload=True)")
+    if enabled:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_disable()
+
+
+def is_liger_flce(model) -> bool:
+    """Whether Liger's FLCE is on this instance's own `forward`, the one `set_liger_flce` sets
+    (`apply_liger_kernel_to_llama(model=...)` sets `model.forward = MethodType(lce_forward, model)`)."""
+    return "forward" in model.__dict__ and fused_linear_cross_entropy_in_use(model)
+
+
+def set_liger_flce(model, enabled: bool) -> None:
+    """Compute the loss of this causal LM instance with Liger's fused linear cross-entropy, and
+    nothing else of Liger's: its RMSNorm, SwiGLU and RoPE patches are left off, because they replace
+    classes and module functions for every model in the process. `enabled=False` removes the
+    instance's `forward` again, which restores the class's."""
+    if not enabled:
+        if is_liger_flce(model):
+            del model.forward
+        return
+    if is_liger_flce(model):
+        return
+    if "forward" in model.__dict__:
+        raise RuntimeError(f"{type(model).__name__}.forward is already replaced on this instance; Liger would hide it")
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+
+    model_type = model.config.model_type
+    apply = MODEL_TYPE_TO_APPLY_LIGER_FN.get(model_type)
+    if apply is None:
+        raise ValueError(f"Liger has no kernels for model type {model_type!r}")
+    # Every switch off (their names differ per family) except the fused loss.
+    switches = {name: False for name, p in inspect.signature(apply).parameters.items() if isinstance(p.default, bool)}
+    apply(model=model, **{**switches, "fused_linear_cross_entropy": True})
+    if not is_liger_flce(model):
+        raise RuntimeError(f"Liger's apply function for {model_type!r} did not replace forward on the instance")

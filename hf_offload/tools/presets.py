@@ -1,0 +1,87 @@
+"""Model shapes the tools know by name, as transformers configs (random weights; nothing is
+downloaded), and reading a user's own config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+PRESET_CONFIGS = {
+    # Small enough for two CPU cores, shaped like a real Llama (GQA, SwiGLU, RoPE).
+    "tiny": dict(model_type="llama", hidden_size=256, intermediate_size=704, num_hidden_layers=6,
+                 num_attention_heads=8, num_key_value_heads=2, vocab_size=2048),
+    # Llama-3.2-1B's config.json (1,235,814,400 parameters, tied embeddings).
+    "llama-3.2-1b": dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
+                         max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
+                         tie_word_embeddings=True),
+    # Meta-Llama-3-8B's config.json (8,030,261,248 parameters).
+    "llama-3-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                       max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
+                       tie_word_embeddings=False),
+    # Qwen2-7B's config.json (7,615,616,512 parameters; Qwen2 has biases on q, k and v).
+    "qwen2-7b": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                     num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+                     max_position_embeddings=131072, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                     tie_word_embeddings=False),
+    # Mistral-7B-v0.3's config.json.
+    "mistral-7b": dict(model_type="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=8, vocab_size=32768,
+                       max_position_embeddings=32768, rope_theta=1000000.0, sliding_window=None,
+                       tie_word_embeddings=False),
+    # Gemma-7B's config.json (tied embeddings, head_dim 256).
+    "gemma-7b": dict(model_type="gemma", hidden_size=3072, intermediate_size=24576, num_hidden_layers=28,
+                     num_attention_heads=16, num_key_value_heads=16, head_dim=256, vocab_size=256000,
+                     max_position_embeddings=8192, tie_word_embeddings=True),
+}  # fmt: skip
+PRESET_ALIASES = {"1b": "llama-3.2-1b"}
+
+
+def preset_names() -> list[str]:
+    return [*PRESET_CONFIGS, *PRESET_ALIASES]
+
+
+def preset_config(preset: str):
+    """The transformers config of a built-in shape."""
+    from transformers import AutoConfig
+
+    name = PRESET_ALIASES.get(preset, preset)
+    if name not in PRESET_CONFIGS:
+        raise ValueError(f"unknown preset {preset!r}; valid: {', '.join(preset_names())}")
+    options = dict(PRESET_CONFIGS[name])
+    return AutoConfig.for_model(options.pop("model_type"), **options)
+
+
+class ConfigError(ValueError):
+    """A model config the tools cannot use: names the file or id and what is wrong."""
+
+
+def load_config(model: str | Path, *, trust_remote_code: bool = False):
+    """The config of a local model directory (its config.json; never weights) or a hub id (only
+    its config.json is fetched). Code from the hub runs only with `trust_remote_code=True`."""
+    from transformers import AutoConfig
+
+    path = Path(model).expanduser()
+    local = path.is_dir()
+    where = f"{path / 'config.json'}" if local else f"the hub id {str(model)!r}"
+    if local and not (path / "config.json").is_file():
+        raise ConfigError(f"{path} has no config.json")
+    try:
+        config = AutoConfig.from_pretrained(
+            str(path) if local else str(model), local_files_only=local, trust_remote_code=trust_remote_code
+        )
+    except ValueError as error:
+        text = str(error)
+        if "trust_remote_code" in text:
+            raise ConfigError(
+                f"{where} needs code from the hub (its auto_map); pass --trust-remote-code to run it"
+            ) from None
+        raise ConfigError(f"cannot read {where}: {text.splitlines()[0]}") from None
+    except OSError as error:
+        raise ConfigError(f"cannot read {where}: {str(error).splitlines()[0]}") from None
+    text_config = config.get_text_config()
+    for field in ("hidden_size", "num_hidden_layers", "vocab_size"):
+        value = getattr(text_config, field, None)
+        if not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{where}: field {field!r} must be a positive integer, got {value!r}")
+    return config
