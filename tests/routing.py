@@ -67,7 +67,8 @@ def record_layer_saves(model: torch.nn.Module) -> Iterator[list[list[torch.Tenso
 
 def expected_offload(model: torch.nn.Module, saved: list[list[torch.Tensor]], keep_last_layers: int = 1):
     """(tensors, bytes) the engine should offload with min_offload_bytes=0: every non-parameter
-    storage saved in an offloaded layer, once per storage and version."""
+    storage saved in an offloaded layer, once per storage and version, but leaves that require
+    grad (the graph holds those anyway: the embeddings' output under checkpointing with LoRA)."""
     protected = parameter_ptrs(model)
     seen = set()
     count = total = 0
@@ -75,6 +76,8 @@ def expected_offload(model: torch.nn.Module, saved: list[list[torch.Tensor]], ke
         for tensor in layer_saves:
             storage = tensor.untyped_storage()
             if storage.data_ptr() in protected or tensor.numel() == 0:
+                continue
+            if tensor.requires_grad and tensor.grad_fn is None:
                 continue
             key = (id(storage), tensor._version)
             if key in seen:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -134,7 +136,10 @@ def test_a_new_storage_at_a_freed_address_is_not_a_duplicate():
     engine = new_engine()
     grad, analytic = _reused_address_grad(engine)
     torch.testing.assert_close(grad, analytic)
-    assert engine.stats().offloaded_tensors == 3 and engine.stats().kept_tensors["duplicate"] == 0
+    stats = engine.stats()
+    # `a` and `b` offloaded, neither taken for the other; the middle layer saves `x`, a leaf that
+    # requires grad, which the graph holds anyway: kept.
+    assert stats.offloaded_tensors == 2 and stats.kept_tensors["duplicate"] == 0 and stats.kept_tensors["leaf"] == 1
 
 
 def test_identity_guard_is_what_keeps_address_reuse_exact(monkeypatch):
@@ -214,7 +219,7 @@ def test_copying_a_view_at_an_offset_as_itself_would_be_caught(monkeypatch):
 def test_protected_storages_and_views_of_them_stay():
     engine = new_engine()
     weight = torch.nn.Parameter(torch.randn(64, 64))
-    x = torch.randn(8, 64, requires_grad=True)
+    x = torch.randn(8, 64, requires_grad=True) * 2  # an activation, not a leaf
     with scope(engine, protected=(weight,)):
         # linear saves weight.t(): a plain tensor sharing the parameter's storage.
         loss = torch.nn.functional.linear(x, weight).sum()
@@ -222,6 +227,40 @@ def test_protected_storages_and_views_of_them_stay():
     stats = engine.stats()
     assert stats.kept_tensors["parameter"] == 1
     assert stats.offloaded_tensors == 1  # x itself, saved for the weight's gradient
+
+
+def test_a_leaf_that_requires_grad_is_kept_not_copied():
+    """An input that requires grad (the embeddings' output, which transformers' checkpointing makes
+    require grad when the embeddings are frozen) is a leaf of the graph: kept as itself, not
+    copied. Its gradient is exact."""
+    engine = new_engine()
+    x = torch.randn(1024, requires_grad=True)
+    with scope(engine):
+        loss = (x.sin() * 2).sum()  # sin saves x
+    loss.backward()
+    stats = engine.stats()
+    assert stats.kept_tensors["leaf"] == 1 and stats.offloaded_tensors == 0
+    torch.testing.assert_close(x.grad, 2 * x.detach().cos())
+
+
+def test_why_a_leaf_is_kept_copying_it_frees_nothing():
+    """The reason for the rule: a leaf that requires grad outlives its saved copy, because
+    autograd's AccumulateGrad node holds it until backward. Packed away by hooks that keep no
+    reference (what an offload would do), its storage is still alive after the forward."""
+    x = torch.randn(1024, requires_grad=True)
+    storage = weakref.ref(x.untyped_storage())
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t.shape, lambda shape: torch.zeros(shape)):
+        loss = x.sin().sum()
+    del x
+    gc.collect()
+    assert storage() is not None
+    activation = torch.randn(1024, requires_grad=True) * 2  # an activation, for contrast
+    storage = weakref.ref(activation.untyped_storage())
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t.shape, lambda shape: torch.zeros(shape)):
+        loss = activation.sin().sum()
+    del activation
+    gc.collect()
+    assert storage() is None and loss is not None
 
 
 def test_kept_scope_offloads_nothing():

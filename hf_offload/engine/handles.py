@@ -131,7 +131,8 @@ class HostCopy:
         return self.source_ref() is storage and self.version == version
 
     def restore(self) -> torch.Tensor:
-        return _view(self.device_storage(), self.dtype, self.storage_offset, self.shape, self.stride)
+        storage = self.device_storage()
+        return _view(storage, self._device.device, self.dtype, self.storage_offset, self.shape, self.stride)
 
     def needs_restore(self) -> bool:
         if self.source is not None or self._ahead is not None:
@@ -197,10 +198,13 @@ class OffloadedTensor:
         self.stride = tensor.stride()
 
     def restore(self) -> torch.Tensor:
-        return _view(self.copy.device_storage(), self.dtype, self.storage_offset, self.shape, self.stride)
+        copy = self.copy
+        storage = copy.device_storage()
+        return _view(storage, copy._device.device, self.dtype, self.storage_offset, self.shape, self.stride)
 
 
-def _view(storage: torch.UntypedStorage, dtype, storage_offset, shape, stride) -> torch.Tensor:
+def _view(storage: torch.UntypedStorage, device, dtype, storage_offset, shape, stride) -> torch.Tensor:
     # Same storage offset, sizes and strides as the saved tensor: kernels in backward see
-    # exactly the layout they would have seen without offloading.
-    return torch.empty(0, dtype=dtype, device=storage.device).set_(storage, storage_offset, shape, stride)
+    # exactly the layout they would have seen without offloading. On the layer's device, which is
+    # the storage's own except for the memory simulator's fake tensors (their storages are "meta").
+    return torch.empty(0, dtype=dtype, device=device).set_(storage, storage_offset, shape, stride)

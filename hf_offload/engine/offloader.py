@@ -72,11 +72,17 @@ def in_backward() -> bool:
 PARAMETER_TYPES: tuple[type, ...] = (torch.nn.Parameter,)
 
 
+def storage_key(storage: torch.UntypedStorage) -> int:
+    """A storage's address; its identity for storages without one (tensors on the meta device, as
+    the memory simulator runs whole steps on): then only the storage object tells them apart."""
+    return storage.data_ptr() or id(storage)
+
+
 def storage_ptrs(tensors: Iterable[torch.Tensor]) -> set[int]:
     ptrs = set()
     for tensor in tensors:
         try:
-            ptrs.add(tensor.untyped_storage().data_ptr())
+            ptrs.add(storage_key(tensor.untyped_storage()))
         except (RuntimeError, NotImplementedError):
             continue  # a tensor subclass without a plain storage (e.g. a sharded DTensor): never packed as one
     return ptrs
@@ -101,6 +107,10 @@ class DeviceContext:
     copy stream and one pool per GPU)."""
 
     def __init__(self, device: torch.device, ledger: HostLedger) -> None:
+        self.device = device
+        # What Tensor.get_device() answers for tensors on this device (-1 on the CPU and the meta
+        # device): cheaper to compare than torch.device objects.
+        self.device_index = torch.empty(0, device=device).get_device()
         self.streams = streams_for(device)
         self.pool = HostPool(self.streams)
         self.ledger = ledger
@@ -195,12 +205,10 @@ class LayerGroup:
         "__weakref__",
     )
 
-    def __init__(self, engine, device, torch_device, sequence, position, keep, kept_reason, protected, prev) -> None:
+    def __init__(self, engine, device, sequence, position, keep, kept_reason, protected, prev) -> None:
         self.engine = engine
         self.device = device
-        # What Tensor.get_device() answers for this layer's device (-1 on the CPU): cheaper to
-        # compare than torch.device objects.
-        self.device_index = -1 if torch_device.type == "cpu" else (torch_device.index or 0)
+        self.device_index = device.device_index
         self.sequence = sequence
         self.position = position  # the layer call's index in its forward pass
         self.keep = keep  # the activations stay on the device
@@ -273,7 +281,7 @@ class LayerGroup:
             keep("too_small", nbytes)
             return tensor.data
         storage = tensor.untyped_storage()
-        ptr = storage.data_ptr()
+        ptr = storage_key(storage)
         protected = self._protected
         if ptr in (protected if protected is not None else self.protected_storages()):
             keep("parameter", nbytes)
@@ -301,6 +309,13 @@ class LayerGroup:
             handle = OffloadedTensor(copy, tensor)
             self.saved[id(tensor)] = (tensor, version, handle)
             return handle
+        if tensor.requires_grad and tensor.grad_fn is None:
+            # A leaf that requires grad, not a parameter: an input made to require grad, such as
+            # the embeddings' output when transformers' checkpointing makes it so for frozen
+            # embeddings. The graph's AccumulateGrad node holds it until backward, so a copy would
+            # move bytes and free nothing. Kept as itself, like a parameter (a leaf makes no cycle).
+            keep("leaf", nbytes)
+            return tensor
         storage_bytes = storage.nbytes()
         needed = rounded_size(storage_bytes)
         if engine.ledger.host_bytes + self.pending_bytes + needed > engine.max_host_bytes:
@@ -530,9 +545,7 @@ class ActivationOffloader:
             kept_reason = "kept_layer"
             if not keep and self._offload_positions is not None and position >= self._offload_positions:
                 keep, kept_reason = True, "kept_for_budget"
-            group = LayerGroup(
-                self, context, device, self._sequence, position, keep, kept_reason, protected, self._last_group
-            )
+            group = LayerGroup(self, context, self._sequence, position, keep, kept_reason, protected, self._last_group)
             self._last_group = weakref.ref(group)
             self._step_groups.add(group)
         return group

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 # Why a saved tensor stayed on the device instead of being offloaded.
 KEEP_REASONS = (
     "parameter",
+    "leaf",  # an input that requires grad: autograd's AccumulateGrad keeps it on the device until backward
     "too_small",
     "kept_layer",
     "kept_for_budget",  # its layer stayed on the device: the device-memory budget had room for it

@@ -109,6 +109,42 @@ class AcceleratorStreams:
         return torch.empty(nbytes, dtype=torch.uint8)
 
 
+class MetaStreams:
+    """The streams of the meta device, whose tensors have shapes, dtypes and autograd but no data:
+    the memory simulator (`hf-offload estimate`) runs whole training steps there. Every step of
+    the engine runs as on an accelerator, but streams and events are markers and copies move
+    nothing. Host buffers are meta tensors too; `host_buffer` is where the simulator tells them
+    from device memory."""
+
+    pinned = True
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.copy_stream = "copy"
+
+    def compute_stream(self) -> str:
+        return "compute"
+
+    def record(self, stream) -> None:
+        return None
+
+    def wait(self, stream, event) -> None:
+        pass
+
+    def copy_async(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for dst, src in pairs:
+            dst.copy_(src)
+
+    def device_buffer(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device="meta")
+
+    def empty_host_cache(self) -> None:
+        pass
+
+
 class _SimStream:
     def __init__(self, name: str) -> None:
         self.name = name
@@ -253,7 +289,7 @@ def device_streams(factory) -> Iterator[None]:
     """Within this block, devices an engine meets for the first time get their streams from
     `factory(device)` instead of the default (`AcceleratorStreams` on an accelerator,
     `SimulatedStreams` on the CPU). The stand-in accelerator runs the accelerator code path on
-    CPU tensors this way, and the memory simulator runs the engine on fake tensors."""
+    CPU tensors this way, and the memory simulator runs it on the meta device."""
     _streams_factory.append(factory)
     try:
         yield
