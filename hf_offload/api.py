@@ -377,8 +377,9 @@ def _uninstall(controller: _Controller) -> None:
 
 def _auto_device_budget(controller: _Controller, device: torch.device, tokens: int | None) -> int:
     """The budget for this step: free device memory, less AUTO_BUDGET_MARGIN_SHARE of the total,
-    the loss head's predicted peak, one layer's full activations (its working memory, and the
-    layer a checkpoint recomputes in backward) and the gradients backward will still allocate."""
+    the larger of the loss head's predicted peak and one layer's full activations (its working
+    memory, and the layer a checkpoint recomputes in backward), and the gradients backward will
+    still allocate."""
     try:
         free, total = auto_budget.device_memory(device)
     except (RuntimeError, AttributeError, NotImplementedError, AssertionError, ValueError) as error:
@@ -410,8 +411,8 @@ def _missing_gradient_bytes(controller: _Controller) -> int:
 
 
 def _predicted_step_bytes(controller: _Controller, tokens: int) -> int:
-    """The loss head (fused or not) and one layer's full activations for `tokens` tokens
-    (`auto_budget.predicted_step_bytes`); 0 for a model without a transformers-style config."""
+    """The larger of the loss head (fused or not) and one layer's full activations for `tokens`
+    tokens (`auto_budget.predicted_step_bytes`); 0 for a model without a transformers-style config."""
     model = controller.model
     try:
         return auto_budget.predicted_step_bytes(

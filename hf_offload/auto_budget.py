@@ -1,14 +1,17 @@
 """What `max_device_bytes="auto"` needs at run time: the device's free memory, and a small pure
 prediction of what a step needs on the device beyond the decoder layers' saved activations.
 
-The prediction is deliberately small: the loss head's peak and one decoder layer's full
-activations (its working memory, and the layer a checkpoint recomputes in backward), per token,
-from the model's config. `hf-offload estimate` simulates whole steps instead (docs/estimate.md);
-its tests hold this prediction to the simulation.
+The prediction is deliberately small: the larger of the loss head's peak and one decoder layer's
+full activations (its working memory, and the layer a checkpoint recomputes in backward), per
+token, from the model's config. `hf-offload estimate` simulates whole steps instead
+(docs/estimate.md); its tests hold the plan "auto" makes with this prediction to the simulated
+step at 8B (tests/test_simulator.py).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -19,10 +22,26 @@ AUTO_BUDGET_MARGIN_SHARE = 0.05
 
 FP32 = 4
 
+# Set by `simulated_device`: the memory simulator's device, read instead of an accelerator's.
+_simulated: list[Callable[[], tuple[int, int]]] = []
+
+
+@contextlib.contextmanager
+def simulated_device(read: Callable[[], tuple[int, int]]) -> Iterator[None]:
+    """Within this block, "auto" reads (free bytes, total bytes) from `read()`: the memory
+    simulator (`hf-offload estimate`) runs steps on the meta device, with a device memory of its own."""
+    _simulated.append(read)
+    try:
+        yield
+    finally:
+        _simulated.remove(read)
+
 
 def device_memory(device: torch.device) -> tuple[int, int]:
     """(bytes a step can still take, total bytes) of `device`: the driver's free memory plus what
     torch's caching allocator holds unused (that is free to the step too)."""
+    if _simulated:
+        return _simulated[-1]()
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         allocated = torch.cuda.memory_allocated(device)
@@ -42,6 +61,8 @@ def check_device_memory_readable() -> None:
     device itself here (that would create a CUDA context on the current device, GPU 0 for every
     rank of a torchrun job that enables before choosing its device): the first step reads the
     memory, on the layers' own device."""
+    if _simulated:
+        return
     accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
     if accelerator is None:
         raise ValueError(
@@ -118,9 +139,11 @@ def loss_head_bytes_per_token(shape: LayerShape, *, dtype_bytes: int, fused: boo
 
 def predicted_step_bytes(config, *, dtype: torch.dtype, tokens: int, fused_loss: bool) -> int:
     """Device bytes a step of `tokens` tokens needs beyond the decoder layers' saved activations,
-    the weights and the gradients: the loss head's peak and one layer's full activations."""
+    the weights and the gradients: the larger of the loss head's peak and one layer's full
+    activations. The two are never live together: backward is through the loss head, whose
+    tensors are then freed, before the first layer's backward (or a checkpoint's recompute)."""
     shape = LayerShape.from_config(config)
     dtype_bytes = torch.empty(0, dtype=dtype).element_size()
     layer = layer_bytes_per_token(shape, dtype_bytes=dtype_bytes)
     head = loss_head_bytes_per_token(shape, dtype_bytes=dtype_bytes, fused=fused_loss)
-    return tokens * (layer + head)
+    return tokens * max(layer, head)
