@@ -116,53 +116,73 @@ def _run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     )
 
 
+DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
+          "fp32": "float32", "float32": "float32"}  # fmt: skip
+
+
 def _add_estimate_command(commands: argparse._SubParsersAction) -> None:
-    from .estimate import DEVICES, DTYPE_BYTES, PRESETS
+    from .devices import DEVICES
+    from .modes import ALL_MODES
+    from .presets import preset_names
 
     estimate = commands.add_parser(
         "estimate",
-        help="predict a training step's memory per mode, the longest sequence that fits, and its time",
+        help="simulate a training step: device and host memory per mode, where the peak is, the longest sequence",
         description=(
-            "Predict the activation bytes a decoder-only model saves per layer and in total, the device memory "
-            "offloading saves, the host memory it needs, whether one layer's copies fit in one layer's compute, "
-            "the compute time of a step, and the peak device memory of the whole step (weights, gradients, "
-            "optimizer state, activations, loss head) in each mode: no offloading, hf_offload, checkpointing, "
-            "checkpointing + hf_offload. With --device-memory (or --device), the longest sequence that fits in "
-            "each mode. Nothing is run or downloaded."
+            "Simulate one training step of the model on PyTorch's meta device (tensors with shapes and "
+            "autograd but no memory or compute): the real transformers, PEFT, checkpointing, hf_offload "
+            "engine and loss run, and the allocations are counted. For each mode: the peak of allocated "
+            "device bytes and what holds it, hf_offload's host memory and the bytes it moves, the FLOPs "
+            "and a step time from the device's rates. With --device-memory (or --device), the longest "
+            "sequence that fits in each mode, by bisection. Only the model's config.json is read; no "
+            "weights, no accelerator."
         ),
     )
     source = estimate.add_mutually_exclusive_group()
     source.add_argument(
-        "--preset", choices=sorted(PRESETS), default="llama-3-8b", help="a common model shape (default llama-3-8b)"
+        "--preset", choices=preset_names(), default="llama-3-8b", help="a common model shape (default llama-3-8b)"
     )
     source.add_argument(
-        "--model", type=_local_model_dir, metavar="PATH", help="local model directory with a config.json"
+        "--model", metavar="PATH_OR_ID", help="a local model directory, or a hub id (only its config.json is read)"
     )
-    estimate.add_argument("--seq-len", type=_int_at_least(1, "seq-len"), default=8192, help="default 8192")
-    estimate.add_argument("--batch-size", type=_int_at_least(1, "batch-size"), default=1, help="default 1")
-    estimate.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16", help="default bf16")
-    estimate.add_argument("--checkpointing", action="store_true", help="gradient checkpointing on")
     estimate.add_argument(
-        "--lora-rank", type=_int_at_least(1, "lora-rank"), default=None, help="LoRA on every linear layer"
+        "--trust-remote-code", action="store_true", help="allow a config whose model code comes from the hub"
     )
+    estimate.add_argument("--seq-len", type=_int_at_least(2, "seq-len"), default=8192, help="default 8192")
+    estimate.add_argument("--batch-size", type=_int_at_least(1, "batch-size"), default=1, help="default 1")
+    estimate.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="the weights' dtype (default bf16)")
+    estimate.add_argument(
+        "--checkpointing", action="store_true", help="only the modes with gradient checkpointing (default: all four)"
+    )
+    estimate.add_argument(
+        "--modes", nargs="+", choices=ALL_MODES, default=None, metavar="MODE",
+        help="the modes to simulate, as the bench names them",
+    )  # fmt: skip
+    estimate.add_argument(
+        "--liger", "--fused-loss", dest="liger", action="store_true",
+        help="each mode also with Liger's fused linear cross-entropy (MODE+liger; a memory-equivalent stand-in runs)",
+    )  # fmt: skip
+    estimate.add_argument(
+        "--lora-rank", type=_int_at_least(1, "lora-rank"), default=None, help="LoRA adapters of this rank"
+    )
+    estimate.add_argument(
+        "--lora-targets", default="all-linear", metavar="NAMES",
+        help="the modules LoRA adapts: all-linear (default) or names separated by commas, e.g. q_proj,v_proj",
+    )  # fmt: skip
     estimate.add_argument(
         "--lora-dtype",
-        choices=sorted(DTYPE_BYTES),
+        choices=sorted(DTYPES),
         default="fp32",
         help="adapter dtype (default fp32: PEFT casts adapters to fp32 unless autocast_adapter_dtype=False)",
     )
     estimate.add_argument("--keep-last-layers", type=_int_at_least(0, "keep-last-layers"), default=1)
     estimate.add_argument("--prefetch-layers", type=_int_at_least(0, "prefetch-layers"), default=1)
     estimate.add_argument(
-        "--fused-loss",
-        action="store_true",
-        help="a fused linear cross-entropy (such as Liger's) instead of transformers' loss, for the step peak",
-    )
-    estimate.add_argument(
         "--optimizer-states",
-        type=_int_at_least(0, "optimizer-states"),
+        type=int,
+        choices=(0, 2),
         default=2,
-        help="optimizer tensors per trainable parameter, in its dtype (default 2: AdamW; 0: no optimizer)",
+        help="2: AdamW's step, with its two states per trainable parameter (default); 0: forward and backward only",
     )
     estimate.add_argument(
         "--device",
@@ -172,19 +192,29 @@ def _add_estimate_command(commands: argparse._SubParsersAction) -> None:
     )
     estimate.add_argument("--list-devices", action="store_true", help="print the device presets and exit")
     estimate.add_argument(
-        "--max-device-gib",
-        type=_positive_float("max-device-gib"),
-        default=None,
-        metavar="GIB",
-        help="a device-memory budget for the decoder layers' activations (max_device_bytes = GIB x 2**30): "
-        "print how many layers hf_offload's plan offloads and keeps",
-    )
-    estimate.add_argument(
         "--device-memory",
         type=_positive_float("device-memory"),
         default=None,
         metavar="GIB",
-        help="device memory in GiB: print the longest sequence that fits in each mode (default: --device's)",
+        help="device memory in GiB: find the longest sequence that fits in each mode (default: --device's)",
+    )
+    estimate.add_argument(
+        "--host-memory",
+        type=_positive_float("host-memory"),
+        default=None,
+        metavar="GIB",
+        help="host RAM in GiB: hf_offload may use 80%% of it, and tensors over that stay on the device "
+        "(default: unlimited; the output says what is needed)",
+    )
+    estimate.add_argument(
+        "--max-device-gib",
+        type=_positive_float("max-device-gib"),
+        default=None,
+        metavar="GIB",
+        help="give hf_offload a device-memory budget (max_device_bytes = GIB x 2**30) and show what it keeps",
+    )
+    estimate.add_argument(
+        "--granularity", type=_int_at_least(1, "granularity"), default=1024, help="the longest sequence's grid (1024)"
     )
     estimate.add_argument(
         "--link-gbps", type=_positive_float("link-gbps"), default=None, help="host link GB/s per direction"
@@ -196,134 +226,103 @@ def _add_estimate_command(commands: argparse._SubParsersAction) -> None:
         "--efficiency",
         type=_positive_float("efficiency"),
         default=None,
-        help="fraction of the matmul rate a whole step reaches (default 0.54, fitted on the H200)",
+        help="fraction of the matmul rate the step's matmuls reach (default 1.0, fitted on the H200)",
     )
+    estimate.add_argument("--json", action="store_true", help="print a JSON object instead of text")
     estimate.set_defaults(run=_run_estimate, command_parser=estimate)
 
 
+def _estimate_modes(args: argparse.Namespace) -> list[str]:
+    from .estimate import BASE_MODES, CHECKPOINTING_MODES
+    from .modes import LIGER, parse_mode
+
+    if args.modes is not None:
+        modes = list(args.modes)
+    else:
+        modes = list(CHECKPOINTING_MODES if args.checkpointing else BASE_MODES)
+    if args.liger:
+        modes += [mode + LIGER for mode in modes if not parse_mode(mode).liger]
+    return list(dict.fromkeys(modes))
+
+
 def _run_estimate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from .estimate import (
-        DEVICES,
-        DTYPE_BYTES,
-        MODES,
-        PRESETS,
-        STEP_EFFICIENCY,
-        Shape,
-        estimate,
-        fixed_bytes,
-        format_assumptions,
-        format_budget_plan,
-        format_devices,
-        format_estimate,
-        format_max_seq_lens,
-        format_step_peaks,
-        max_seq_len,
-        step_peak,
-        step_time,
-    )
+    import logging
+    import sys
+    import warnings
+
+    import torch
+
+    from .devices import DEVICES, format_devices
+    from .estimate import Request, format_estimate, format_json, run_estimate
+    from .presets import ConfigError, load_config, preset_config
+    from .simulator import NOT_SIMULATED, Training
 
     if args.list_devices:
         print(format_devices())
         return 0
     if args.efficiency is not None and args.efficiency > 1:
         parser.error(f"argument --efficiency: must be a fraction in (0, 1], got {args.efficiency}")
+    modes = _estimate_modes(args)
+    for mode in modes:
+        base = mode.split("+liger")[0]
+        if base in NOT_SIMULATED:
+            parser.error(f"argument --modes: {mode} cannot be simulated ({NOT_SIMULATED[base]})")
+        if base.endswith("_auto") and args.device_memory is None and args.device is None:
+            parser.error(f"argument --modes: {mode} reads the device's free memory: give --device-memory or --device")
+    if args.liger or any("+liger" in mode for mode in modes):
+        try:
+            import liger_kernel.transformers  # noqa: F401
+        except ImportError as error:
+            parser.error(f"argument --liger: needs liger-kernel (pip install 'hf-offload[liger]'): {error}")
     try:
-        shape = Shape.from_path(args.model) if args.model else PRESETS[args.preset]
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        parser.error(f"argument --model: cannot read a decoder-only config from {str(args.model)!r}: {error}")
+        config = load_config(args.model, trust_remote_code=args.trust_remote_code) if args.model else None
+    except ConfigError as error:
+        parser.error(f"argument --model: {error}")
+    if config is None:
+        config, name = preset_config(args.preset), f"{args.preset} preset"
+    else:
+        name = str(args.model)
     device = DEVICES[args.device or "h200"]
-    tflops = args.tflops or device.tflops
-    link_gbps = args.link_gbps or device.link_gbps
-    efficiency = args.efficiency or STEP_EFFICIENCY
-    dtype_bytes = DTYPE_BYTES[args.dtype]
-    lora = {}
-    if args.lora_rank is not None:
-        lora = {"lora_rank": args.lora_rank, "lora_dtype_bytes": DTYPE_BYTES[args.lora_dtype]}
-    result = estimate(
-        shape,
-        seq_len=args.seq_len,
-        batch_size=args.batch_size,
-        dtype_bytes=dtype_bytes,
-        checkpointing=args.checkpointing,
-        keep_last_layers=args.keep_last_layers,
-        link_gbps=link_gbps,
-        tflops=tflops,
-        efficiency=efficiency,
-        **lora,
-    )
-    print(format_estimate(result, link_gbps=link_gbps, tflops=tflops))
-    if args.max_device_gib is not None:
-        budget = int(args.max_device_gib * 2**30)
-        print(
-            format_budget_plan(
-                result,
-                budget_bytes=budget,
-                keep_last_layers=args.keep_last_layers,
-                prefetch_layers=args.prefetch_layers,
-            )
-        )
-
-    print(
-        format_assumptions(
-            device,
-            default=args.device is None,
-            tflops=args.tflops,
-            link_gbps=args.link_gbps,
-            efficiency=args.efficiency,
-        )
-    )
-    timing = step_time(
-        shape,
-        seq_len=args.seq_len,
-        batch_size=args.batch_size,
-        checkpointing=args.checkpointing,
-        dtype_bytes=dtype_bytes,
-        tflops=tflops,
-        efficiency=efficiency,
-        memory_tbps=device.memory_tbps,
-        **lora,
-    )
-    adapters = (
-        f" + {timing.lora_seconds:.2f} s of LoRA adapter casts at {device.memory_tbps:g} TB/s"
-        if timing.lora_seconds
-        else ""
-    )
-    print(
-        f"step compute: {timing.seconds:.2f} s ({timing.flops.total / 1e12:.0f} TFLOP at "
-        f"{timing.effective_tflops:.0f} TFLOP/s = {tflops:g} x {efficiency:g}{adapters}; offloading copies "
-        "not included)"
-    )
-
-    options = {
-        "dtype_bytes": dtype_bytes,
-        "keep_last_layers": args.keep_last_layers,
-        "prefetch_layers": args.prefetch_layers,
-        "optimizer_states": args.optimizer_states,
-        **lora,
-    }
-    fixed = fixed_bytes(shape, dtype_bytes=dtype_bytes, optimizer_states=args.optimizer_states, **lora)
-    loss = "fused loss" if args.fused_loss else "standard loss (--fused-loss for a fused linear cross-entropy)"
-    print(f"\nwhole step at {result.tokens} tokens, {loss}, predicted:")
-    peaks = [
-        step_peak(
-            shape, seq_len=args.seq_len, batch_size=args.batch_size, mode=mode, fused_loss=args.fused_loss, **options
-        )
-        for mode in MODES
-    ]
-    print(format_step_peaks(peaks, fixed))
-
     memory_gib = args.device_memory or (device.memory_gib if args.device else None)
-    if memory_gib is not None:
-        memory = memory_gib * 2**30
-        lengths = {
-            mode: tuple(
-                max_seq_len(int(memory), shape, mode=mode, batch_size=args.batch_size, fused_loss=fused, **options)
-                for fused in (False, True)
-            )
-            for mode in MODES
-        }
-        print()
-        print(format_max_seq_lens(lengths, memory_bytes=memory, fixed=fixed, batch_size=args.batch_size))
+    memory = None if memory_gib is None else int(memory_gib * 2**30)
+    targets = args.lora_targets if args.lora_targets == "all-linear" else tuple(args.lora_targets.split(","))
+    training = Training(
+        dtype=getattr(torch, DTYPES[args.dtype]),
+        lora_rank=args.lora_rank,
+        lora_targets=targets,
+        lora_dtype=getattr(torch, DTYPES[args.lora_dtype]),
+        optimizer_states=args.optimizer_states,
+        batch_size=args.batch_size,
+        keep_last_layers=args.keep_last_layers,
+        prefetch_layers=args.prefetch_layers,
+        host_memory_bytes=None if args.host_memory is None else int(args.host_memory * 2**30),
+        device=device,
+        device_memory_bytes=memory,
+        device_budget_bytes=None if args.max_device_gib is None else int(args.max_device_gib * 2**30),
+    )
+    request = Request(
+        config=config,
+        name=name,
+        training=training,
+        modes=modes,
+        seq_len=args.seq_len,
+        memory_bytes=memory,
+        granularity=args.granularity,
+        tflops=args.tflops,
+        link_gbps=args.link_gbps,
+        efficiency=args.efficiency,
+    )
+    # transformers and the engine speak up about what the simulation does on purpose (checkpointing
+    # turns the cache off, the CPU has no accelerator); the estimate reports what matters.
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    logging.getLogger("hf_offload").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    progress = None if args.json else (lambda line: print(line, file=sys.stderr, flush=True))
+    try:
+        estimate = run_estimate(request, echo=progress)
+    except (ValueError, TypeError, KeyError) as error:
+        parser.error(f"cannot simulate {name}: {error}")
+    print(format_json(estimate) if args.json else format_estimate(estimate, device_given=args.device is not None))
     return 0
 
 

@@ -37,7 +37,7 @@ import torch
 
 from hf_offload.tools.bench import MaxSeq, build_model, max_seq, max_seq_table, predict_max_seq
 from hf_offload.tools.benchmarks.gpu_check import package_versions
-from hf_offload.tools.estimate import DEVICES
+from hf_offload.tools.devices import DEVICES
 
 TESTS = Path(__file__).resolve().parents[3] / "tests"
 MODES = (

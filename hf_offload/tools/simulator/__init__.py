@@ -1,0 +1,7 @@
+"""The memory simulator behind `hf-offload estimate`: real training steps on the meta device,
+without memory or compute."""
+
+from .step import NOT_SIMULATED, Part, Simulator, StepResult, Training, composition
+from .tracker import MemoryTracker, Peak
+
+__all__ = ["NOT_SIMULATED", "MemoryTracker", "Part", "Peak", "Simulator", "StepResult", "Training", "composition"]

@@ -1,0 +1,429 @@
+"""One real training step of a Hugging Face causal LM, without memory or compute.
+
+The model is built from its config on the meta device, whose tensors have shapes, dtypes,
+storages and autograd but no data, and whose ops compute nothing; PEFT is applied there. Then
+the step runs as a user's would, through transformers' own code, PEFT, transformers'
+checkpointing, hf_offload's engine (with `MetaStreams`), Liger's causal-LM forward with a
+stand-in for its Triton loss, and AdamW: `model(input_ids=ids, labels=ids).loss`, then
+`backward()`, then `optimizer.step()` and `zero_grad(set_to_none=True)`. `MemoryTracker` counts
+what each op allocates; `stand_ins` has the three places where a GPU's path must be named.
+
+(PyTorch's FakeTensorMode would do the same on fake CPU tensors, at several times the cost per
+op: an 8B LoRA step took 6-10 s that way on this project's 2-core machine, and 3-5 s on meta tensors,
+with the same peaks.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+
+import torch
+
+import hf_offload
+from hf_offload.config import DEFAULT_MIN_OFFLOAD_BYTES, HOST_MEMORY_SHARE
+from hf_offload.internal import MetaStreams, device_streams, resolve_layers, simulated_device, unwrap_model
+from hf_offload.tools.devices import DEVICES, Device
+from hf_offload.tools.modes import Mode, parse_mode, set_checkpointing, set_liger_flce
+
+from .stand_ins import attention_as_on_cuda, real_device_masking, simulated_liger_loss
+from .tracker import MemoryTracker, Peak
+
+# Modes whose offloading is not hf_offload's: they need pinned memory or an accelerator.
+NOT_SIMULATED = {
+    "transformers_offload": "transformers' offload=True copies with torch's save_on_cpu, which pins host memory",
+    "trl_offload": "TRL's offloading needs an accelerator's streams",
+}
+
+
+@dataclass(frozen=True)
+class Training:
+    """How the model is trained, beside the mode."""
+
+    dtype: torch.dtype = torch.bfloat16
+    lora_rank: int | None = None
+    lora_targets: str | tuple[str, ...] = "all-linear"
+    # PEFT casts adapters of a bf16 model to float32 unless get_peft_model(..., autocast_adapter_dtype=False).
+    lora_dtype: torch.dtype = torch.float32
+    optimizer_states: int = 0  # 0: forward and backward only; 2: AdamW's step
+    batch_size: int = 1
+    keep_last_layers: int = 1
+    prefetch_layers: int = 1
+    min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES
+    host_memory_bytes: int | None = None  # the simulated host's RAM; None: unlimited
+    device: Device = DEVICES["h200"]
+    device_memory_bytes: int | None = None  # what the "_auto" modes read as the device's memory
+    device_budget_bytes: int | None = None  # max_device_bytes for the other hf_offload modes (None: no budget)
+
+    def __post_init__(self) -> None:
+        if self.optimizer_states not in (0, 2):
+            raise ValueError(f"optimizer_states must be 0 (no optimizer) or 2 (AdamW), got {self.optimizer_states}")
+        if self.lora_rank is not None and self.lora_rank < 1:
+            raise ValueError(f"lora_rank must be >= 1 or None, got {self.lora_rank}")
+
+
+@dataclass
+class StepResult:
+    """What one simulated step held on the device and moved."""
+
+    mode: str
+    seq_len: int
+    batch_size: int
+    tracked_peak_bytes: int  # what the step's ops held at most
+    workspace_bytes: int  # library workspaces on top (cuBLAS)
+    peak: Peak
+    host_bytes: int | None = None  # hf_offload's host buffer pool
+    offloaded_bytes: int | None = None
+    over_budget_bytes: int | None = None  # what hf_offload kept on the device for the host budget
+    layers_kept_for_budget: int | None = None
+    matmul_flops: int = 0
+    attention_flops: int = 0  # counted over the whole sequence square, as flop_counter does
+    traffic_bytes: int = 0  # what the ops without FLOPs (casts, norms, activations, copies) read and write
+    flops_by_tag: dict[tuple, tuple[int, int]] = field(default_factory=dict, repr=False)  # (matmul, attention)
+    layer_offloaded_bytes: int | None = None  # the most hf_offload moved for one layer
+    offload_stats: dict | None = field(default=None, repr=False)  # hf_offload's statistics of the step
+    trace: list[int] | None = field(default=None, repr=False)
+    seconds: float = 0.0  # how long the simulation took
+
+    @property
+    def peak_bytes(self) -> int:
+        """What torch.cuda.max_memory_allocated would report."""
+        return self.tracked_peak_bytes + self.workspace_bytes
+
+    @property
+    def flops(self) -> int:
+        return self.matmul_flops + self.attention_flops
+
+    @property
+    def tokens(self) -> int:
+        return self.seq_len * self.batch_size
+
+
+@dataclass
+class _Attribution:
+    """Stamps each allocation with the phase and the module making it: module hooks in forward
+    (and in a checkpoint's recompute), and in backward a gradient hook on each module's output,
+    which fires as that module's backward starts."""
+
+    tracker: MemoryTracker
+    labels: dict[int, str]
+    hooked: set[int]
+    phase: str = "forward"
+    stack: list[tuple] = field(default_factory=list)
+
+    def enter_phase(self, phase: str, where: str) -> None:
+        self.phase = phase
+        self.stack.clear()
+        self.tracker.tag = (phase, where)
+
+    def pre(self, module, args) -> None:
+        label = self.labels.get(id(module))
+        if label is not None:
+            self.stack.append(self.tracker.tag)
+            self.tracker.tag = ("recompute" if self.phase == "backward" else self.phase, label)
+
+    def post(self, module, args, output) -> None:
+        key = id(module)
+        if key not in self.labels:
+            return
+        if self.stack:
+            self.tracker.tag = self.stack.pop()
+        if self.phase == "forward" and key in self.hooked:
+            tensor = _first_grad_tensor(output)
+            if tensor is not None:
+                label = self.labels[key]
+                tensor.register_hook(lambda grad, label=label: self._backward_reached(label))
+
+    def _backward_reached(self, label: str) -> None:
+        self.stack.clear()
+        self.tracker.tag = ("backward", label)
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        registrations = torch.nn.modules.module
+        handles = [
+            registrations.register_module_forward_pre_hook(self.pre),
+            registrations.register_module_forward_hook(self.post, always_call=True),
+        ]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+
+def _first_grad_tensor(output) -> torch.Tensor | None:
+    if isinstance(output, torch.Tensor):
+        return output if output.requires_grad else None
+    if isinstance(output, (tuple, list)):
+        for item in output:
+            if isinstance(item, torch.Tensor) and item.requires_grad:
+                return item
+    return None
+
+
+def _module_labels(model: torch.nn.Module) -> tuple[dict[int, str], set[int]]:
+    """A coarse label for every module ("layer 3 mlp", "lm_head", "norm", "loss" for the causal
+    LM's own code), and the modules whose backward start is marked."""
+    _adapter, layers = resolve_layers(model)
+    labels: dict[int, str] = {}
+    hooked: set[int] = set()
+    layer_ids = {id(layer) for layer in layers}
+    for name, module in model.named_modules():
+        if not name:
+            labels[id(module)] = "loss"
+            continue
+        if id(module) in layer_ids:
+            continue
+        labels.setdefault(id(module), name.split(".")[-1])
+        if name.count(".") <= 1:
+            hooked.add(id(module))
+    for index, layer in enumerate(layers):
+        for module in layer.modules():
+            labels[id(module)] = f"layer {index}"
+        for child_name, child in layer.named_children():
+            for module in child.modules():
+                labels[id(module)] = f"layer {index} {child_name}"
+            hooked.add(id(child))
+        hooked.add(id(layer))
+    return labels, hooked
+
+
+class _TrackedStreams(MetaStreams):
+    """The engine's meta streams, with its host buffers marked as host memory and what it brings
+    back in backward tagged as such."""
+
+    def __init__(self, device: torch.device, tracker: MemoryTracker) -> None:
+        super().__init__(device)
+        self.tracker = tracker
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        with self.tracker.host_allocations():
+            return super().host_buffer(nbytes)
+
+    def device_buffer(self, nbytes: int) -> torch.Tensor:
+        tag = self.tracker.tag
+        self.tracker.tag = ("restored", tag[1] if len(tag) > 1 else "")
+        try:
+            return super().device_buffer(nbytes)
+        finally:
+            self.tracker.tag = tag
+
+
+class Simulator:
+    """A model built once on the meta device, then stepped in any mode at any length."""
+
+    def __init__(self, config, training: Training = Training()) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.config = config
+        self.training = training
+        self.tracker = MemoryTracker()
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=training.dtype)
+        if training.lora_rank is not None:
+            from peft import LoraConfig, get_peft_model
+
+            lora = LoraConfig(r=training.lora_rank, target_modules=_targets(training.lora_targets))
+            model = get_peft_model(model, lora)
+            for parameter in model.parameters():
+                if parameter.requires_grad:  # on meta PEFT always makes float32 adapters: set the dtype asked for
+                    parameter.data = parameter.data.to(training.lora_dtype)
+        model.train()
+        self.model = model
+        self.base = unwrap_model(model)
+        for tensor in [*model.parameters(), *model.buffers()]:
+            self.tracker.adopt(tensor)
+        self.trainable = [p for p in model.parameters() if p.requires_grad]
+        for parameter in self.trainable:
+            parameter.register_post_accumulate_grad_hook(lambda p: self.tracker.retag(p.grad, ("gradients", "")))
+        self.optimizer = None
+        if training.optimizer_states:
+            self._create_optimizer_state()
+        self.labels, self.hooked = _module_labels(self.base)
+        self.resident_bytes = self.tracker.live  # weights and optimizer state
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(n for tag, n in self.tracker.live_by_tag.items() if tag[0] == "weights")
+
+    def _create_optimizer_state(self) -> None:
+        """AdamW's two states per trainable parameter exist from the first step on: a step in
+        steady training starts with them. foreach=True, as torch picks on CUDA (its temporaries
+        are part of the step's peak)."""
+        with self.tracker:
+            self.tracker.tag = ("optimizer", "")
+            self.optimizer = torch.optim.AdamW(self.trainable, lr=1e-5, foreach=True)
+            for parameter in self.trainable:
+                parameter.grad = torch.zeros_like(parameter)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        gc.collect()
+
+    def run(self, mode: str | Mode, seq_len: int, *, trace: bool = False) -> StepResult:
+        """One step of `mode` at `seq_len` tokens per sequence (with a device-memory budget it runs
+        twice: the first step measures the layers for the plan, as in training)."""
+        parsed = mode if isinstance(mode, Mode) else parse_mode(mode)
+        if parsed.base in NOT_SIMULATED:
+            raise ValueError(f"mode {parsed.name!r} cannot be simulated: {NOT_SIMULATED[parsed.base]}")
+        if seq_len < 2:
+            raise ValueError(f"seq_len must be >= 2 (a causal LM predicts each token from those before), got {seq_len}")
+        started = time.perf_counter()
+        budgeted = parsed.hf_offload and (parsed.budget or self.training.device_budget_bytes is not None)
+        with self._configured(parsed):
+            for _ in range(2 if budgeted else 1):
+                result = self._step(parsed, seq_len, trace=trace)
+        result.seconds = time.perf_counter() - started
+        return result
+
+    @contextlib.contextmanager
+    def _configured(self, mode: Mode) -> Iterator[None]:
+        training, base = self.training, self.base
+        tracker = self.tracker
+        device_memory = training.device_memory_bytes
+
+        def read_device() -> tuple[int, int]:
+            return max(device_memory - tracker.live - training.device.workspace_bytes, 0), device_memory
+
+        with contextlib.ExitStack() as stack:
+            set_checkpointing(base, mode.checkpointing)
+            stack.callback(set_checkpointing, base, False)
+            if mode.liger:
+                set_liger_flce(base, True)
+                stack.callback(set_liger_flce, base, False)
+                stack.enter_context(simulated_liger_loss())
+            if mode.hf_offload:
+                if mode.budget:
+                    if device_memory is None:
+                        raise ValueError(f"mode {mode.name!r} reads the device's memory: give the device memory")
+                    stack.enter_context(simulated_device(read_device))
+                host = training.host_memory_bytes
+                hf_offload.enable_activation_offloading(
+                    base,
+                    simulate_on_cpu=True,
+                    keep_last_layers=training.keep_last_layers,
+                    prefetch_layers=training.prefetch_layers,
+                    min_offload_bytes=training.min_offload_bytes,
+                    max_host_bytes=2**62 if host is None else int(host * HOST_MEMORY_SHARE),
+                    max_device_bytes="auto" if mode.budget else training.device_budget_bytes,
+                )
+                stack.callback(hf_offload.disable_activation_offloading, base)
+            stack.enter_context(device_streams(lambda device: _TrackedStreams(device, tracker)))
+            stack.enter_context(real_device_masking())
+            stack.enter_context(attention_as_on_cuda())
+            yield
+
+    def _step(self, mode: Mode, seq_len: int, *, trace: bool) -> StepResult:
+        tracker, training = self.tracker, self.training
+        attribution = _Attribution(tracker, self.labels, self.hooked)
+        with tracker, attribution.installed():
+            tracker.start(trace=trace)
+            attribution.enter_phase("forward", "inputs")
+            ids = torch.zeros((training.batch_size, seq_len), dtype=torch.long, device="meta")
+            loss = self.model(input_ids=ids, labels=ids).loss
+            attribution.enter_phase("backward", "loss")
+            loss.backward()
+            del loss, ids
+            if self.optimizer is not None:
+                attribution.enter_phase("optimizer", "")
+                self.optimizer.step()
+            self.model.zero_grad(set_to_none=True)
+            peak = tracker.finish()
+        gc.collect()
+        result = StepResult(
+            mode=mode.name,
+            seq_len=seq_len,
+            batch_size=training.batch_size,
+            tracked_peak_bytes=peak.bytes,
+            workspace_bytes=training.device.workspace_bytes,
+            peak=replace(peak),
+            matmul_flops=tracker.matmul_flops,
+            attention_flops=tracker.attention_flops,
+            traffic_bytes=tracker.traffic_bytes,
+            flops_by_tag={tag: tuple(counts) for tag, counts in tracker.flops_by_tag.items()},
+            trace=tracker.trace,
+        )
+        if mode.hf_offload:
+            stats = hf_offload.activation_offloading_stats(self.base)
+            result.host_bytes = stats.pool_bytes
+            result.offloaded_bytes = stats.offloaded_bytes
+            result.over_budget_bytes = stats.kept_bytes.get("over_budget", 0)
+            result.layers_kept_for_budget = stats.layers_kept_for_budget
+            result.layer_offloaded_bytes = stats.max_layer_offloaded_bytes
+            result.offload_stats = stats.as_dict()
+        leaked = tracker.live - self.resident_bytes
+        if leaked:
+            raise RuntimeError(f"the simulated step left {leaked} bytes allocated after it (a reference kept?)")
+        return result
+
+
+def _targets(targets: str | tuple[str, ...]):
+    return targets if isinstance(targets, str) else list(targets)
+
+
+# -- where the peak's bytes came from -------------------------------------------------------------
+
+PHASES = {
+    "weights": "weights",
+    "gradients": "gradients",
+    "optimizer": "optimizer state",
+    "forward": "forward",
+    "recompute": "recomputed in backward",
+    "backward": "backward",
+    "restored": "brought back by hf_offload",
+}
+_NAMES = {"loss": "loss head", "lm_head": "loss head", "norm": "final norm", "embed_tokens": "embeddings"}
+_LAYER = re.compile(r"layer (\d+)(?: (.+))?$")
+
+
+@dataclass(frozen=True)
+class Part:
+    """Bytes live at the peak from one origin."""
+
+    phase: str  # a key of PHASES
+    what: str  # "layers 0-30", "layer 31", "loss head", ...
+    bytes: int
+    layers: int = 0  # how many layers the row sums (0: not decoder layers)
+
+
+def composition(peak: Peak) -> list[Part]:
+    """The peak's bytes by origin, largest first: decoder layers grouped into runs of layers that
+    hold the same bytes, other modules by name."""
+    per_layer: dict[str, dict[int, int]] = {}
+    parts: dict[tuple[str, str], int] = {}
+    for (phase, *where), nbytes in peak.live_by_tag.items():
+        label = where[0] if where else ""
+        if phase in ("weights", "gradients", "optimizer"):
+            label = ""
+        match = _LAYER.match(label)
+        if match and phase not in ("weights", "gradients", "optimizer"):
+            per_layer.setdefault(phase, {}).setdefault(int(match.group(1)), 0)
+            per_layer[phase][int(match.group(1))] += nbytes
+            continue
+        key = (phase, _NAMES.get(label, label))
+        parts[key] = parts.get(key, 0) + nbytes
+    rows = [Part(phase, what, nbytes) for (phase, what), nbytes in parts.items() if nbytes]
+    for phase, layers in per_layer.items():
+        for first, last, total in _runs(layers):
+            what = f"layer {first}" if first == last else f"layers {first}-{last}"
+            rows.append(Part(phase, what, total, last - first + 1))
+    return sorted(rows, key=lambda part: -part.bytes)
+
+
+def _runs(layers: dict[int, int]) -> Iterator[tuple[int, int, int]]:
+    """(first, last, total bytes) of consecutive layers holding the same bytes (within 1%)."""
+    order = sorted(layers)
+    start = 0
+    for index in range(1, len(order) + 1):
+        ends = index == len(order)
+        if not ends:
+            same = abs(layers[order[index]] - layers[order[start]]) <= 0.01 * max(layers[order[start]], 1)
+            consecutive = order[index] == order[index - 1] + 1
+        if ends or not (same and consecutive):
+            chosen = order[start:index]
+            yield chosen[0], chosen[-1], sum(layers[i] for i in chosen)
+            start = index

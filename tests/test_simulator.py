@@ -1,0 +1,341 @@
+"""The memory simulator (`hf_offload.tools.simulator`): real training steps on the meta device.
+
+It is held to the peaks measured on one H200, to real allocations on the CPU, and to the
+engine's own decisions on real tensors; each place where it must name what a GPU would do has a
+companion showing the simulation goes wrong without it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+
+import pytest
+import torch
+from conftest import tiny_model
+from torch.profiler import ProfilerActivity, profile
+
+import hf_offload
+from hf_offload import auto_budget
+from hf_offload.engine import offloader
+from hf_offload.tools.presets import preset_config
+from hf_offload.tools.simulator import MemoryTracker, Peak, Simulator, StepResult, Training, composition, stand_ins
+from hf_offload.tools.simulator import step as step_module
+from hf_offload.tools.simulator.search import LONGEST, longest_sequence, predict_longest
+
+GIB = 2**30
+
+# Peak allocated device memory (torch.cuda.max_memory_allocated, GiB) measured on one NVIDIA H200,
+# 2026-11-30, at commit 477c815 (torch 2.11.0+cu130, transformers 5.24.0, peft 0.21.2; random
+# weights, bf16, batch 1, forward and backward without an optimizer step, gradients set to None;
+# LoRA r=16 on every linear layer with PEFT's float32 adapters): ../shared/measurements/
+# h200-2026-11-30.md, reproduced in docs/benchmarks.md.
+H200_PEAKS_GIB = {
+    ("llama-3.2-1b", None, "none", 4096): 14.93,
+    ("llama-3.2-1b", None, "none", 16384): 52.64,
+    ("llama-3.2-1b", None, "hf_offload", 4096): 8.72,
+    ("llama-3.2-1b", None, "hf_offload", 16384): 27.76,
+    ("llama-3.2-1b", None, "checkpointing", 4096): 8.55,
+    ("llama-3.2-1b", None, "checkpointing", 16384): 27.10,
+    ("llama-3.2-1b", None, "checkpointing+hf_offload", 4096): 8.32,
+    ("llama-3.2-1b", None, "checkpointing+hf_offload", 16384): 26.17,
+    ("llama-3.2-1b", 16, "none", 8192): 33.47,
+    ("llama-3.2-1b", 16, "none", 32768): 126.67,
+    ("llama-3.2-1b", 16, "hf_offload", 8192): 15.42,
+    ("llama-3.2-1b", 16, "hf_offload", 32768): 54.47,
+    ("llama-3.2-1b", 16, "checkpointing", 8192): 14.71,
+    ("llama-3.2-1b", 16, "checkpointing", 32768): 51.63,
+    ("llama-3.2-1b", 16, "checkpointing+hf_offload", 8192): 14.28,
+    ("llama-3.2-1b", 16, "checkpointing+hf_offload", 32768): 49.88,
+    ("llama-3-8b", 16, "checkpointing", 16384): 42.92,
+    ("llama-3-8b", 16, "checkpointing", 32768): 70.66,
+    ("llama-3-8b", 16, "checkpointing+hf_offload", 16384): 39.17,
+    ("llama-3-8b", 16, "checkpointing+hf_offload", 32768): 63.16,
+}
+
+_SIMULATORS: dict[tuple, Simulator] = {}
+
+
+def simulator(preset: str, lora_rank: int | None, **training) -> Simulator:
+    """One model per shape and training setup for the whole session: building takes seconds."""
+    key = (preset, lora_rank, tuple(sorted(training.items())))
+    if key not in _SIMULATORS:
+        _SIMULATORS[key] = Simulator(preset_config(preset), Training(lora_rank=lora_rank, **training))
+    return _SIMULATORS[key]
+
+
+@pytest.fixture(autouse=True)
+def quiet():
+    # transformers says once that checkpointing turns the cache off; the engine that the CPU has
+    # no accelerator. Both are what the simulation does on purpose.
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        yield
+
+
+@pytest.mark.parametrize("case", list(H200_PEAKS_GIB), ids=lambda case: "-".join(map(str, case)))
+def test_simulated_peak_within_two_percent_of_the_h200(case):
+    preset, lora_rank, mode, seq_len = case
+    result = simulator(preset, lora_rank).run(mode, seq_len)
+    assert result.peak_bytes / GIB == pytest.approx(H200_PEAKS_GIB[case], rel=0.02)
+
+
+# -- real scale: what the README claims, at 8B ---------------------------------------------------
+
+
+def test_offloaded_checkpointing_saves_exactly_what_it_moves_at_8b():
+    """Llama-3-8B, LoRA r=16, 32k tokens: checkpointing + hf_offload peaks lower than
+    checkpointing alone by exactly the checkpoint inputs it moved to the host. (Layer 0's input,
+    the embeddings' output that checkpointing makes require grad, is a leaf the graph keeps
+    anyway: hf_offload leaves it, and moves the inputs of layers 1-30.)"""
+    sim = simulator("llama-3-8b", 16)
+    alone, offloaded = sim.run("checkpointing", 32768), sim.run("checkpointing+hf_offload", 32768)
+    layer_input = 32768 * 4096 * 2
+    assert offloaded.offloaded_bytes == 30 * layer_input
+    assert offloaded.offload_stats["kept_bytes"]["leaf"] == layer_input
+    assert alone.peak_bytes - offloaded.peak_bytes == offloaded.offloaded_bytes
+    assert offloaded.host_bytes == offloaded.offloaded_bytes  # 256 MiB copies fill their pooled buffers
+
+
+AUTO_DEVICE = 68 * GIB  # between checkpointing + hf_offload (63.2 GiB) and checkpointing alone (70.7 GiB)
+
+
+def test_auto_budget_keeps_the_8b_step_on_a_smaller_device():
+    """max_device_bytes="auto" at 8B, 32k tokens, on a device checkpointing alone overflows: it
+    keeps some layers on the device and the step stays under the device's memory."""
+    sim = simulator("llama-3-8b", 16, device_memory_bytes=AUTO_DEVICE)
+    result = sim.run("checkpointing+hf_offload_auto", 32768)
+    assert result.peak_bytes <= AUTO_DEVICE
+    assert 0 < result.layers_kept_for_budget < 31
+
+
+def test_auto_budget_check_catches_a_budget_that_forgets_the_loss_head(monkeypatch):
+    """Companion: with the loss head's reservation gone, "auto" plans the layers into memory the
+    loss head needs, and the same step overflows the device."""
+    monkeypatch.setattr(auto_budget, "predicted_step_bytes", lambda *args, **kwargs: 0)
+    sim = simulator("llama-3-8b", 16, device_memory_bytes=AUTO_DEVICE)
+    assert sim.run("checkpointing+hf_offload_auto", 32768).peak_bytes > AUTO_DEVICE
+
+
+# -- the simulation against real tensors ----------------------------------------------------------
+
+
+def tiny_simulator(lora_rank=None, **config) -> Simulator:
+    model = tiny_model(attn_implementation="eager", **config)
+    return Simulator(model.config, Training(dtype=torch.float32, lora_rank=lora_rank, lora_dtype=torch.float32))
+
+
+@pytest.mark.parametrize("mode", ["none", "checkpointing"])
+def test_simulated_peak_matches_real_cpu_allocations(mode):
+    """A tiny Llama in float32 with eager attention (no kernel whose CPU and CUDA versions
+    allocate differently): the simulated peak over the weights equals what torch's profiler
+    counts the CPU allocator holding at its peak in the same step on real tensors."""
+    seq = 256
+    sim = tiny_simulator()
+    simulated = sim.run(mode, seq)
+    model = tiny_model(attn_implementation="eager")
+    if mode == "checkpointing":
+        model.activation_checkpointing_enable()
+    ids = torch.randint(model.config.vocab_size, (1, seq))
+
+    def step():
+        model(input_ids=ids, labels=ids).loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    measured, _ = peak_allocated(step)
+    assert simulated.tracked_peak_bytes - sim.resident_bytes == pytest.approx(measured, rel=0.01)
+
+
+@pytest.mark.parametrize("mode", ["hf_offload", "checkpointing+hf_offload"])
+def test_the_engine_decides_on_meta_tensors_as_on_real_ones(mode):
+    """What hf_offload offloads and keeps, tensor by tensor and byte by byte, is the same in the
+    simulation as in the same step on real CPU tensors (simulate_on_cpu=True)."""
+    seq = 256
+    simulated = tiny_simulator(lora_rank=4).run(mode, seq).offload_stats
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny_model(attn_implementation="eager"), LoraConfig(r=4, target_modules="all-linear"))
+    if mode.startswith("checkpointing"):
+        model.get_base_model().activation_checkpointing_enable()
+    hf_offload.enable_activation_offloading(model, simulate_on_cpu=True)
+    ids = torch.randint(model.config.vocab_size, (1, seq))
+    model(input_ids=ids, labels=ids).loss.backward()
+    real = hf_offload.activation_offloading_stats(model).as_dict()
+    for field in ("offloaded_tensors", "offloaded_bytes", "kept_tensors", "kept_bytes", "layers_offloaded"):
+        assert simulated[field] == real[field], field
+
+
+def test_the_engine_check_catches_storages_told_apart_by_address(monkeypatch):
+    """Companion: meta storages have no address (data_ptr() is 0). Told apart by address alone,
+    every activation shares its key with the parameters, and the engine keeps them all as such."""
+    real = tiny_simulator(lora_rank=4).run("hf_offload", 256).offload_stats
+    monkeypatch.setattr(offloader, "storage_key", lambda storage: storage.data_ptr())
+    blinded = tiny_simulator(lora_rank=4).run("hf_offload", 256).offload_stats
+    assert real["offloaded_tensors"] > 0 and blinded["offloaded_tensors"] == 0
+    assert blinded["kept_tensors"]["parameter"] > real["kept_tensors"]["parameter"]
+
+
+def test_peak_composition_adds_up_and_names_the_checkpoint_inputs():
+    """Llama-3.2-1B, checkpointing, 16k tokens: the parts of the peak add up to it, and the
+    checkpoint inputs still on the device at the loss head are the outputs of layers 0-14 (the
+    inputs of layers 1-15), one 64 MiB hidden state each."""
+    result = simulator("llama-3.2-1b", None).run("checkpointing", 16384)
+    parts = composition(result.peak)
+    assert sum(part.bytes for part in parts) == result.tracked_peak_bytes
+    inputs = next(part for part in parts if part.phase == "forward" and part.what == "layers 0-14")
+    assert inputs.layers == 15 and inputs.bytes == 15 * 16384 * 2048 * 2
+    assert result.peak.tag == ("backward", "loss") and result.peak.node == "LogSoftmaxBackward0"
+
+
+# -- where the simulation must be told what a GPU does --------------------------------------------
+
+
+def test_without_real_device_masking_the_meta_step_cannot_decide_packing(monkeypatch):
+    """Companion of `real_device_masking`: transformers asks the position ids whether sequences
+    are packed, and a meta tensor has no data to answer with."""
+    sim = tiny_simulator()
+    monkeypatch.setattr(step_module, "real_device_masking", contextlib.nullcontext)
+    with pytest.raises(RuntimeError, match="meta"):
+        sim.run("checkpointing", 128)
+
+
+def test_attention_runs_the_cuda_kernel_and_not_the_math_path(monkeypatch):
+    """In bf16 with transformers' SDPA attention, the simulated step runs flash attention and holds
+    no attention weights; without `attention_as_on_cuda`, SDPA on meta tensors takes the math path
+    and holds at least one heads x seq x seq matrix more."""
+    seq = 512
+    sim = Simulator(tiny_model().config, Training(dtype=torch.bfloat16))  # sdpa, as from_config picks
+    on_cuda = sim.run("none", seq)
+    assert on_cuda.attention_flops > 0
+    monkeypatch.setattr(step_module, "attention_as_on_cuda", contextlib.nullcontext)
+    math = sim.run("none", seq)
+    heads = sim.config.num_attention_heads
+    assert math.attention_flops == 0
+    assert math.peak_bytes - on_cuda.peak_bytes >= heads * seq * seq * 2
+
+
+def test_fused_loss_stand_in_allocates_what_liger_does_and_never_the_logits():
+    """Liger 0.8.5's forward, read from its code: the input's gradient, the weight's (when it
+    trains), the per-token loss and mask, and one reused buffer of chunk x vocab logits."""
+    tokens, hidden, vocab = 4096, 64, 1000
+    tracker = MemoryTracker()
+    with torch.device("meta"):
+        inputs = torch.empty(tokens, hidden, dtype=torch.bfloat16, requires_grad=True)
+        weight = torch.nn.Parameter(torch.empty(vocab, hidden, dtype=torch.bfloat16))
+        target = torch.zeros(tokens, dtype=torch.long)
+        for tensor in (inputs, weight, target):
+            tracker.adopt(tensor)  # made before: their views are not allocations
+        before = tracker.live
+        with tracker:
+            tracker.start(trace=False)
+            loss, *_ = stand_ins.SimulatedFusedLinearCrossEntropy.apply(inputs, weight, target)
+            peak = tracker.finish().bytes - before
+    chunk = 256  # next_power_of_2(ceil(4096 / ceil(1000 / 64)))
+    expected = tokens * hidden * 2 + vocab * hidden * 2 + tokens * 4 + tokens + chunk * vocab * 2
+    assert peak == expected
+    assert peak < tokens * vocab * 2  # the full bf16 logits alone would be more
+
+
+def test_fused_loss_stand_in_refuses_real_tensors():
+    with pytest.raises(RuntimeError, match="meta tensors only"):
+        stand_ins.SimulatedFusedLinearCrossEntropy.apply(torch.randn(4, 8), torch.randn(16, 8), torch.zeros(4).long())
+
+
+def test_liger_mode_runs_ligers_forward_with_the_stand_in():
+    """`+liger` simulates Liger's own causal-LM forward (its loss through the stand-in): the peak
+    falls, and no vocabulary-wide float32 tensor is live at it."""
+    pytest.importorskip("liger_kernel")
+    seq, vocab = 1024, 8192
+    sim = Simulator(tiny_model(vocab_size=vocab).config, Training(dtype=torch.bfloat16))
+    standard, fused = sim.run("checkpointing", seq), sim.run("checkpointing+liger", seq)
+    assert standard.peak.tag == ("backward", "loss")  # transformers' loss head holds the peak
+    assert fused.peak_bytes < standard.peak_bytes
+    head = sum(part.bytes for part in composition(fused.peak) if part.what == "loss head")
+    assert head < seq * vocab * 4
+
+
+# -- the longest sequence --------------------------------------------------------------------------
+
+
+def stepped(seq_len: int, peak: int, trace: list[int] | None = None) -> StepResult:
+    return StepResult("m", seq_len, 1, peak, 0, Peak(bytes=peak), trace=trace)
+
+
+def test_per_op_lines_predict_the_longest_length_exactly():
+    """Two runs of the same ops: op 0 holds 100 + 1 per token, op 1 holds 10 + 3 per token. With
+    1000 bytes, op 1 allows 330 tokens and op 0 900: 330."""
+    short = stepped(10, 40, trace=[110, 40])
+    long_ = stepped(20, 70, trace=[120, 70])
+    assert predict_longest(short, long_, 1000) == 330
+    # One line through the peaks alone would extrapolate op 1 only if it held the peak at both.
+    assert predict_longest(stepped(10, 110), stepped(20, 120), 1000) == 900
+
+
+def run_with(peak_of):
+    calls = []
+
+    def run(seq_len, trace):
+        calls.append(seq_len)
+        peak = peak_of(seq_len)
+        return stepped(seq_len, peak, trace=[peak] if trace else None)
+
+    return run, calls
+
+
+def test_bisection_confirms_a_right_prediction_with_two_runs():
+    run, calls = run_with(lambda n: 1000 + 10 * n)
+    found = longest_sequence(run, mode="m", memory_bytes=1000 + 10 * 5000, workspace_bytes=0, granularity=1024,
+                             lengths=(1024, 2048))  # fmt: skip
+    assert found.max_seq_len == 4096 and found.predicted == 5000
+    assert calls == [1024, 2048, 4096, 5120]
+
+
+def test_bisection_finds_the_edge_when_the_lines_bend():
+    """Memory jumps at 3000 tokens (a tensor that only then exceeds min_offload_bytes, say): the
+    prediction from 1024 and 2048 is too long, and the bisection walks back to the edge."""
+    run, _ = run_with(lambda n: 1000 + 10 * n + (20_000 if n >= 3000 else 0))
+    found = longest_sequence(run, mode="m", memory_bytes=1000 + 10 * 5000, workspace_bytes=0, granularity=512,
+                             lengths=(1024, 2048))  # fmt: skip
+    assert found.max_seq_len == 2560  # 3072 holds 51720 > 51000
+    assert any(p.seq_len == 3072 and not p.fits for p in found.probes)
+
+
+def test_bisection_reports_nothing_fits_and_memory_that_never_grows():
+    run, _ = run_with(lambda n: 10**9)
+    assert longest_sequence(run, mode="m", memory_bytes=1000, workspace_bytes=0).max_seq_len is None
+    run, _ = run_with(lambda n: 500)
+    flat = longest_sequence(run, mode="m", memory_bytes=1000, workspace_bytes=0, granularity=1 << 20)
+    assert flat.reached_limit and flat.max_seq_len == LONGEST
+
+
+# -- allocations counted on the CPU ---------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def one_thread():
+    # Tiny ops on a loaded 2-core machine run many times faster without intra-op threads.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def peak_allocated(fn) -> tuple[int, list[str]]:
+    """The most bytes the CPU allocator held at once while `fn` ran, beyond what was allocated
+    before, and the ops running at that moment, innermost first. Every allocation and free is
+    reported by torch's profiler with its size, so this is exact."""
+    with one_thread(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = list(prof.profiler.kineto_results.events())
+    live = peak = 0
+    at = None
+    for start, nbytes in sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"):
+        live += nbytes
+        if live > peak:
+            peak, at = live, start
+    running = [e for e in events if e.name() != "[memory]" and e.start_ns() <= at <= e.end_ns()]
+    return peak, [e.name() for e in sorted(running, key=lambda e: e.end_ns() - e.start_ns())]
