@@ -259,3 +259,27 @@ def test_budget_modes_need_a_memory_figure_on_the_cpu(tmp_path):
     result = run_bench(tmp_path, "--seq-lens", "32", "--modes", "hf_offload_auto")
     (record,) = result["records"]
     assert record["status"].startswith("skipped: hf_offload_auto reads the device's free memory")
+
+
+def test_bench_simulate_puts_the_simulators_peak_beside_each_record(tmp_path):
+    """With --simulate (the default on CUDA), every step the bench ran is simulated too, with the
+    same model, dtype and adapters; the budget modes, which read a real device, are left out."""
+    result = run_bench(tmp_path, "--modes", "none", "checkpointing+hf_offload", "--lora-rank", "4", "--simulate")
+    records = result["records"]
+    assert all(r["simulated_peak_bytes"] > 0 for r in records)
+    by_mode = {(r["mode"], r["seq_len"]): r["simulated_peak_bytes"] for r in records}
+    assert by_mode["none", 64] > by_mode["none", 32]
+    assert "simulated peak GiB | measured / simulated" in (tmp_path / "bench.md").read_text()
+
+
+def test_the_simulated_setup_is_the_benchmarked_one():
+    from peft import LoraConfig, get_peft_model
+
+    from hf_offload.tools.fidelity import training_of
+    from hf_offload.tools.presets import preset_config
+
+    model = bench.build_on_device(preset_config("tiny"), torch.device("meta"), torch.bfloat16)
+    model = get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
+    training = training_of(model, device=torch.device("cpu"), batch_size=2)
+    assert (training.lora_rank, training.lora_targets, training.lora_dtype) == (8, ("q_proj", "v_proj"), torch.float32)
+    assert (training.dtype, training.batch_size, training.optimizer_states) == (torch.bfloat16, 2, 0)

@@ -47,6 +47,7 @@ class Record:
     tokens_per_second: float | None = None
     device_budget_bytes: int | None = None  # the _auto modes: the budget hf_offload planned with
     layers_kept_for_budget: int | None = None  # ... and how many offloadable layers it kept
+    simulated_peak_bytes: int | None = None  # hf-offload estimate's simulation of the same step
 
 
 class ModeUnavailable(ImportError):
@@ -724,10 +725,16 @@ def plot_max_seq(results: list[MaxSeq], path: Path, *, device: torch.device, bud
 
 
 def markdown_table(records: list[Record], *, device: torch.device) -> str:
+    """One row per record; with the simulator's peaks, two more columns: the simulated peak and
+    measured / simulated (on the CPU there is no measured device peak to hold it to)."""
+    from hf_offload.tools.fidelity import fidelity
+
     memory = "peak device GiB" if device.type == "cuda" else "resident activations MiB (byte accounting)"
+    simulated = any(r.simulated_peak_bytes is not None for r in records)
+    extra = " simulated peak GiB | measured / simulated |" if simulated else ""
     lines = [
-        f"| mode | seq | {memory} | offloaded MiB | host pool MiB | step ms | tokens/s | status |",
-        "|---|---|---|---|---|---|---|---|",
+        f"| mode | seq | {memory} |{extra} offloaded MiB | host pool MiB | step ms | tokens/s | status |",
+        "|---|---|---|" + ("---|---|" if simulated else "") + "---|---|---|---|---|",
     ]
     for r in records:
 
@@ -744,9 +751,13 @@ def markdown_table(records: list[Record], *, device: torch.device) -> str:
         if r.device_budget_bytes is not None:
             kept = r.layers_kept_for_budget
             status += f" (budget {r.device_budget_bytes / 2**30:.2f} GiB: {kept} layer{'' if kept == 1 else 's'} kept)"
+        columns = ""
+        if simulated:
+            predicted = "-" if r.simulated_peak_bytes is None else f"{r.simulated_peak_bytes / 2**30:.2f}"
+            columns = f" {predicted} | {fidelity(r)} |"
         lines.append(
-            f"| {r.mode} | {r.seq_len} | {peak} | {mib(r.offloaded_bytes)} | {mib(r.host_bytes)} | {step} | {tps} "
-            f"| {status} |"
+            f"| {r.mode} | {r.seq_len} | {peak} |{columns} {mib(r.offloaded_bytes)} | {mib(r.host_bytes)} | {step} "
+            f"| {tps} | {status} |"
         )
     return "\n".join(lines)
 
@@ -797,6 +808,12 @@ def _setup(args, device: torch.device):
     return model, f"{name}, {args.dtype}, batch {args.batch_size}, {tuning} - {where}"
 
 
+def _simulating(args, device: torch.device) -> bool:
+    """The simulator's peak beside each measured one: by default on CUDA, where there is one."""
+    simulate = getattr(args, "simulate", None)
+    return device.type == "cuda" if simulate is None else simulate
+
+
 def run_bench(args) -> int:
     device = torch.device(args.device)
     model, title = _setup(args, device)
@@ -817,6 +834,11 @@ def run_bench(args) -> int:
                 progress=not args.no_progress,
             )
         )
+    if _simulating(args, device):
+        from hf_offload.tools.fidelity import annotate, simulator_for
+
+        annotate(records, simulator_for(model, device=device, batch_size=args.batch_size,
+                                        min_offload_bytes=args.min_offload_bytes))  # fmt: skip
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(

@@ -423,6 +423,10 @@ def _add_bench_command(commands: argparse._SubParsersAction) -> None:
     search.add_argument(
         "--verify", action="store_true", help="slope: run one step at the predicted length and say whether it fit"
     )
+    bench.add_argument(
+        "--simulate", action=argparse.BooleanOptionalAction, default=None,
+        help="also simulate each step (hf-offload estimate) and show its peak beside the measured one (default: CUDA)",
+    )  # fmt: skip
     bench.add_argument("--out", default="bench_out", help="directory for the JSON, markdown and plot")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.set_defaults(run=_run_bench, command_parser=bench)

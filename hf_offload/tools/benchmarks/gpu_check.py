@@ -39,6 +39,7 @@ import torch
 
 import hf_offload
 from hf_offload.tools.bench import Record, _configure, build_model, markdown_table, random_ids, sweep
+from hf_offload.tools.fidelity import annotate, simulator_for
 from hf_offload.tools.modes import MODES
 
 TESTS = Path(__file__).resolve().parents[3] / "tests"
@@ -244,6 +245,8 @@ def main(argv=None) -> int:
     for record in sweep(model, modes=args.modes, seq_lens=seq_lens, **common):
         records.append(record)
         print(f"  {record.mode:<30} seq {record.seq_len:>6}: {record.status}", flush=True)
+    # The simulator's peak beside each measured one: every GPU run also checks `hf-offload estimate`.
+    annotate(records, simulator_for(model, device=device))
     print()
     print(markdown_table(records, device=device))
     print()
@@ -260,6 +263,7 @@ def main(argv=None) -> int:
     lora_model = _lora(model)
     lora_modes = [mode for mode in LORA_MODES if mode in args.modes]
     lora_records = list(sweep(lora_model, modes=lora_modes, seq_lens=[lora_seq_len], **common))
+    annotate(lora_records, simulator_for(lora_model, device=device))
     print(markdown_table(lora_records, device=device))
     print()
     print(ratios_table(lora_records, [lora_seq_len]))

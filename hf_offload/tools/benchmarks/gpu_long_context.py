@@ -38,6 +38,8 @@ import torch
 from hf_offload.tools.bench import MaxSeq, build_model, max_seq, max_seq_table, predict_max_seq
 from hf_offload.tools.benchmarks.gpu_check import package_versions
 from hf_offload.tools.devices import DEVICES
+from hf_offload.tools.fidelity import simulator_for
+from hf_offload.tools.simulator.search import predict_longest
 
 TESTS = Path(__file__).resolve().parents[3] / "tests"
 MODES = (
@@ -72,6 +74,38 @@ def predictions_table(results: list[MaxSeq], *, budgets: dict[str, int], granula
             + " | ".join("-" if m is None else f"{m}" for m in maxima)
             + " |"
         )
+    return "\n".join(lines)
+
+
+def simulated_table(results: list[MaxSeq], simulator, *, budgets: dict[str, int], granularity: int) -> str:
+    """The simulator beside the measurement: its peak at each measured length (measured /
+    simulated), and the longest sequence it predicts from the same two lengths for each budget
+    (its per-op lines, not verified by a search)."""
+    workspace = simulator.training.device.workspace_bytes
+    lines = [
+        "| mode | length | measured GiB | simulated GiB | measured / simulated | "
+        + " | ".join(f"simulated max seq, {name}" for name in budgets)
+        + " |",
+        "|---|---|---|---|---|" + "---|" * len(budgets),
+    ]
+    for result in results:
+        probes = [p for p in result.probes[:2] if p.status == "ok"]
+        if len(probes) < 2:
+            lines.append(f"| {result.mode} | - | {result.status} | - | - |" + " - |" * len(budgets))
+            continue
+        simulated = [simulator.run(result.mode, p.seq_len, trace=True) for p in probes]
+        maxima = []
+        for budget in budgets.values():
+            longest = predict_longest(simulated[0], simulated[1], budget - workspace)
+            maxima.append("-" if longest is None else str(longest // granularity * granularity))
+        for index, (probe, step) in enumerate(zip(probes, simulated, strict=True)):
+            measured = probe.peak_device_bytes
+            ratio = "-" if measured is None else f"{measured / step.peak_bytes:.3f}"
+            shown = "-" if measured is None else f"{measured / 2**30:.2f}"
+            tail = " | ".join(maxima) if index == 0 else " | ".join("" for _ in maxima)
+            lines.append(
+                f"| {result.mode} | {probe.seq_len} | {shown} | {step.peak_bytes / 2**30:.2f} | {ratio} | {tail} |"
+            )
     return "\n".join(lines)
 
 
@@ -166,6 +200,8 @@ def main(argv=None) -> int:
     budgets = {name: budget for name, budget in budgets.items() if budget}
     print()
     print(predictions_table(results, budgets=budgets, granularity=args.granularity))
+    print("\nthe simulator beside the measurement (hf-offload estimate, the same setup on the meta device):")
+    print(simulated_table(results, simulator_for(model, device=device), budgets=budgets, granularity=args.granularity))
     print(f"\n== 2. targets, on {next(iter(budgets))} ==")
     print(targets_table(results, budget=next(iter(budgets.values())), granularity=args.granularity))
     del model
