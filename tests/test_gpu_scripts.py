@@ -50,3 +50,21 @@ def test_budget_target_compares_with_the_fastest_mode_that_fits():
     # Checkpointing modes are held to the fastest checkpointing mode: recomputing costs what it costs.
     assert "| 4096 | checkpointing+hf_offload_auto | ok | 15 | 1.083x | checkpointing | MISSED |" in table
     assert "| 16384 | hf_offload_auto | oom | - | - | - | MISSED |" in table  # full offloading fitted
+
+
+def test_simulated_peaks_script_runs_end_to_end(tmp_path):
+    """The script behind the README's plot, on a tiny model with small budgets: the table, the
+    JSON and the plot, each budget's longest sequence found."""
+    import json
+
+    from hf_offload.tools.benchmarks import simulated_peaks
+
+    argv = ["--presets", "tiny", "--modes", "checkpointing", "checkpointing+hf_offload", "--tunings", "lora",
+            "--lengths", "256", "512", "--granularity", "256", "--budgets", "0.25", "0.5", "--jobs", "1",
+            "--out", str(tmp_path)]  # fmt: skip
+    assert simulated_peaks.main(argv) == 0
+    (panel,) = json.loads((tmp_path / "simulated_peaks.json").read_text())
+    for mode in ("checkpointing", "checkpointing+hf_offload"):
+        small, large = (panel["modes"][mode]["longest"][f"{gib} GiB"]["max_seq_len"] for gib in ("0.25", "0.5"))
+        assert 0 < small < large
+    assert (tmp_path / "simulated_peaks.png").stat().st_size > 10_000

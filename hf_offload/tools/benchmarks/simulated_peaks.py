@@ -1,0 +1,207 @@
+"""At which sequence length does fine-tuning a 7-8B model run out of memory, in each mode?
+
+    python -m hf_offload.tools.benchmarks.simulated_peaks [--out docs/img] [--jobs 2]
+
+Simulated with `hf-offload estimate`'s simulator (the real step on the meta device), validated
+against the H200's measured peaks (docs/estimate.md). For Llama-3-8B and Qwen2-7B, LoRA r=16 on
+every linear layer (PEFT's fp32 adapters) and full fine-tuning, bf16, batch 1, an AdamW step:
+each mode's peak against the sequence length (the largest of its ops' lines through two
+simulated lengths), the 80 GB and 141 GB lines, and the longest sequence each fits, found by
+bisection (marked x). The H200's measured peaks are drawn where they exist (8B LoRA; measured
+without the optimizer step, 0.3 GiB less). Writes simulated_peaks.png, simulated_peaks.md and
+simulated_peaks.json.
+
+`--presets tiny --lengths 256 512` runs the whole flow in seconds on a tiny model (the tests do).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+
+from hf_offload.tools.devices import DEVICES
+from hf_offload.tools.presets import preset_config
+from hf_offload.tools.simulator import Simulator, Training
+from hf_offload.tools.simulator.search import longest_sequence
+
+GIB = 2**30
+MODES = ("none", "hf_offload", "checkpointing", "checkpointing+hf_offload", "checkpointing+hf_offload+liger")
+BUDGETS = {"80 GB": DEVICES["h100-80gb"], "141 GB": DEVICES["h200"]}
+# (preset, LoRA rank or None) -> {(mode, tokens): measured GiB}: the H200, 2026-11-30 (docs/benchmarks.md).
+MEASURED = {
+    ("llama-3-8b", 16): {
+        ("checkpointing", 16384): 42.92,
+        ("checkpointing", 32768): 70.66,
+        ("checkpointing+hf_offload", 16384): 39.17,
+        ("checkpointing+hf_offload", 32768): 63.16,
+    }
+}
+
+
+def simulate_panel(task: tuple) -> dict:
+    """One model and tuning: each mode's two traced steps, and its longest sequence per budget."""
+    preset, lora_rank, modes, lengths, granularity, budgets = task
+    BUDGETS.clear()
+    BUDGETS.update(budgets)
+    simulator = Simulator(preset_config(preset), Training(lora_rank=lora_rank, optimizer_states=2))
+    panel = {"preset": preset, "lora_rank": lora_rank, "modes": {}}
+    for mode in modes:
+        steps = {}
+
+        def run(seq_len: int, trace: bool, mode=mode, steps=steps):
+            if seq_len not in steps or (trace and steps[seq_len].trace is None):
+                steps[seq_len] = simulator.run(mode, seq_len, trace=trace)
+            return steps[seq_len]
+
+        entry = {"lines": None, "longest": {}}
+        for name, device in BUDGETS.items():
+            found = longest_sequence(
+                run,
+                mode=mode,
+                memory_bytes=int(device.memory_gib * GIB),
+                workspace_bytes=device.workspace_bytes,
+                granularity=granularity,
+                lengths=lengths,
+            )
+            at = found.at_max
+            entry["longest"][name] = {
+                "max_seq_len": found.max_seq_len,
+                "peak_bytes": at.peak_bytes if at else None,
+                "host_bytes": at.host_bytes if at else None,
+            }
+        short, long_ = (steps[n] for n in lengths)
+        entry["lines"] = {
+            "lengths": list(lengths),
+            "short": short.trace,
+            "long": long_.trace,
+            "workspace_bytes": short.workspace_bytes,
+        }
+        entry["peaks"] = {str(n): step.peak_bytes for n, step in sorted(steps.items())}
+        panel["modes"][mode] = entry
+    return panel
+
+
+def peak_at(lines: dict, tokens: float) -> float:
+    """The largest of the per-op lines at `tokens` (bytes), with the workspaces."""
+    first, second = lines["lengths"]
+    span = second - first
+    top = max(s + (l_ - s) * (tokens - first) / span for s, l_ in zip(lines["short"], lines["long"], strict=True))
+    return top + lines["workspace_bytes"]
+
+
+def plot(panels: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    columns = 2 if len(panels) > 1 else 1
+    rows = (len(panels) + columns - 1) // columns
+    figure, axes = plt.subplots(rows, columns, figsize=(6.5 * columns, 4.5 * rows), sharey=True, squeeze=False)
+    for axis, panel in zip(axes.flat, panels, strict=False):
+        longest_any = max(
+            (v["max_seq_len"] or 0) for entry in panel["modes"].values() for v in entry["longest"].values()
+        )
+        top = max(4096, int(longest_any * 1.5))
+        grid = [2 ** (12 + i / 8) for i in range(int(8 * (top.bit_length() - 12)) + 1)]
+        for mode, entry in panel["modes"].items():
+            if len(entry["lines"]["short"]) != len(entry["lines"]["long"]):
+                continue
+            (line,) = axis.plot(grid, [peak_at(entry["lines"], n) / GIB for n in grid], label=mode)
+            for name, device in BUDGETS.items():
+                longest = entry["longest"][name]["max_seq_len"]
+                if longest:
+                    axis.plot([longest], [device.memory_gib], marker="x", markersize=10, mew=2, color=line.get_color())
+        for (_mode, tokens), gib in MEASURED.get((panel["preset"], panel["lora_rank"]), {}).items():
+            axis.plot([tokens], [gib], marker="o", color="black", linestyle="none")
+        for name, device in BUDGETS.items():
+            axis.axhline(device.memory_gib, color="grey", linestyle=":", linewidth=1)
+            axis.text(grid[0], device.memory_gib + 1, f"{name} ({device.memory_gib:g} GiB usable)", fontsize=7)
+        tuning = f"LoRA r={panel['lora_rank']}" if panel["lora_rank"] else "full fine-tuning"
+        axis.set_title(f"{panel['preset']}, {tuning}, bf16, batch 1, AdamW", fontsize=9)
+        axis.set_xscale("log", base=2)
+        axis.set_ylim(0, max(device.memory_gib for device in BUDGETS.values()) * 1.15)
+        axis.set_xlabel("sequence length (tokens)")
+        axis.set_ylabel("peak device memory, GiB (simulated)")
+        axis.grid(True, alpha=0.3)
+    axes.flat[0].legend(fontsize=7, loc="upper left")
+    axes.flat[0].plot([], [], marker="o", color="black", linestyle="none", label="measured on an H200")
+    axes.flat[0].legend(fontsize=7, loc="upper left")
+    figure.suptitle(
+        "Simulated peak memory per mode (hf-offload estimate, validated against 20 H200 peaks); x: out of memory",
+        fontsize=10,
+    )
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def table(panels: list[dict]) -> str:
+    last = list(BUDGETS)[-1]
+    lines = [
+        "| model | tuning | mode | "
+        + " | ".join(f"longest, {name}" for name in BUDGETS)
+        + f" | host GiB there ({last}) |",
+        "|---|---|---|" + "---|" * len(BUDGETS) + "---|",
+    ]
+    for panel in panels:
+        tuning = f"LoRA r={panel['lora_rank']}" if panel["lora_rank"] else "full"
+        for mode, entry in panel["modes"].items():
+            values = [entry["longest"][name]["max_seq_len"] for name in BUDGETS]
+            host = entry["longest"][last]["host_bytes"]
+            shown = " | ".join("none" if v is None else f"{v:,}" for v in values)
+            host_text = "-" if host is None else f"{host / GIB:.0f}"
+            lines.append(f"| {panel['preset']} | {tuning} | {mode} | {shown} | {host_text} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--presets", nargs="+", default=["llama-3-8b", "qwen2-7b"])
+    parser.add_argument("--modes", nargs="+", default=list(MODES))
+    parser.add_argument("--lengths", type=int, nargs=2, default=[8192, 16384])
+    parser.add_argument("--granularity", type=int, default=1024)
+    parser.add_argument("--tunings", nargs="+", choices=["lora", "full"], default=["lora", "full"])
+    parser.add_argument(
+        "--budgets", type=float, nargs="+", default=None, metavar="GIB",
+        help="device memories instead of 80 and 141 GB (a tiny model's smoke run)",
+    )  # fmt: skip
+    parser.add_argument("--jobs", type=int, default=2, help="processes, one panel each at a time")
+    parser.add_argument("--out", default="simulated_peaks_out")
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    if args.budgets:
+        base = DEVICES["h200"]
+        BUDGETS.clear()
+        BUDGETS.update({f"{gib:g} GiB": replace(base, memory_gib=gib) for gib in args.budgets})
+    ranks = [16 if tuning == "lora" else None for tuning in args.tunings]
+    tasks = [
+        (preset, rank, tuple(args.modes), tuple(args.lengths), args.granularity, dict(BUDGETS))
+        for preset in args.presets
+        for rank in ranks
+    ]
+    if args.jobs > 1:
+        with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("fork")) as pool:
+            panels = list(pool.map(simulate_panel, tasks))
+    else:
+        panels = [simulate_panel(task) for task in tasks]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    text = table(panels)
+    (out / "simulated_peaks.md").write_text(text + "\n")
+    (out / "simulated_peaks.json").write_text(json.dumps(
+        [{**panel, "modes": {m: {k: v for k, v in e.items() if k != "lines"} for m, e in panel["modes"].items()}}
+         for panel in panels], indent=2))  # fmt: skip
+    plot(panels, out / "simulated_peaks.png")
+    print(text)
+    print(f"wrote {out}/simulated_peaks.png, .md and .json in {time.perf_counter() - started:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
