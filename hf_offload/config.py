@@ -126,3 +126,46 @@ def _require_int(name: str, value: object, *, minimum: int, or_none: bool = Fals
 def _require_bool(name: str, value: object) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"option {name} must be True or False, got {value!r} ({type(value).__name__})")
+
+
+@dataclass(frozen=True)
+class TilingOptions:
+    """Options for sequence tiling. All are keyword-only in the public API.
+
+    mlp: run each decoder layer's MLP one slice of the sequence at a time, saving only its input.
+    loss: compute lm_head and the cross-entropy one slice at a time, never holding the logits of
+        the whole sequence (unless Liger's fused linear cross-entropy already computes the loss).
+    tile_tokens: tokens per slice. None (the default) lets each part choose: the MLP takes
+        hidden_size tokens per slice (a slice then holds about as many elements per tensor as a
+        layer's weight matrix, as ALST and Liger's tiled MLP slice it), the loss head as many as
+        keep a slice's logits within 2**28 elements (about 2,000 tokens of a 128k vocabulary).
+        Sequences no longer than one slice are not tiled.
+    """
+
+    mlp: bool = True
+    loss: bool = True
+    tile_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        _require_bool("mlp", self.mlp)
+        _require_bool("loss", self.loss)
+        if self.tile_tokens is not None:
+            _require_int("tile_tokens", self.tile_tokens, minimum=1, or_none=True)
+        if not (self.mlp or self.loss):
+            raise ValueError(
+                "sequence tiling with mlp=False and loss=False tiles nothing; call disable_sequence_tiling() instead"
+            )
+
+    @classmethod
+    def option_names(cls) -> tuple[str, ...]:
+        return tuple(field.name for field in dataclasses.fields(cls))
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: object) -> TilingOptions:
+        unknown = sorted(set(kwargs) - set(cls.option_names()))
+        if unknown:
+            raise TypeError(
+                f"unknown sequence tiling option(s) {', '.join(map(repr, unknown))}; "
+                f"valid options are: {', '.join(cls.option_names())}"
+            )
+        return cls(**kwargs)  # type: ignore[arg-type]

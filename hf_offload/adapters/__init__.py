@@ -7,26 +7,30 @@ from collections.abc import Sequence
 from torch import nn
 
 from . import gemma, llama, mistral, qwen2
-from .base import Adapter, FindLayers, UnsupportedModelError, hook_point, unwrap_model
+from .base import Adapter, FindLayers, FindMLP, UnsupportedModelError, find_mlp, hook_point, innermost, unwrap_model
 from .generic import find_decoder_layers
 
 _REGISTRY: dict[str, Adapter] = {}
 BUILTIN_MODEL_TYPES: tuple[str, ...] = ()
 
 
-def register_adapter(model_type: str, find_layers: FindLayers) -> None:
+def register_adapter(model_type: str, find_layers: FindLayers, find_mlp: FindMLP | None = None) -> None:
     """Teach hf_offload the decoder layers of `model_type` (a `config.model_type` value).
 
-    `find_layers(model)` must return the decoder layers in forward order. Registering a key
-    twice is an error.
+    `find_layers(model)` must return the decoder layers in forward order. `find_mlp(layer)`, for
+    sequence tiling, returns a decoder layer's per-token MLP (or None); without it the generic
+    finder looks for a child named mlp, feed_forward, block_sparse_moe, ffn or mlp_block.
+    Registering a key twice is an error.
     """
     if not isinstance(model_type, str) or not model_type.strip():
         raise ValueError(f"model_type must be a non-empty string such as 'llama', got {model_type!r}")
     if not callable(find_layers):
         raise TypeError(f"find_layers must be callable as find_layers(model) -> layers, got {find_layers!r}")
+    if find_mlp is not None and not callable(find_mlp):
+        raise TypeError(f"find_mlp must be callable as find_mlp(layer) -> module or None, got {find_mlp!r}")
     if model_type in _REGISTRY:
         raise ValueError(f"an adapter for model_type {model_type!r} is already registered")
-    _REGISTRY[model_type] = Adapter(model_type, find_layers)
+    _REGISTRY[model_type] = Adapter(model_type, find_layers, find_mlp)
 
 
 def unregister_adapter(model_type: str) -> None:
@@ -63,6 +67,15 @@ def resolve_layers(model: nn.Module) -> tuple[str, Sequence[nn.Module]]:
     return "generic", [hook_point(layer) for layer in find_decoder_layers(model)]
 
 
+def resolve_mlps(model: nn.Module) -> list[nn.Module | None]:
+    """Each decoder layer's MLP for sequence tiling, in layer order (None where a layer has none
+    that is per token)."""
+    adapter_name, layers = resolve_layers(model)
+    adapter = _REGISTRY.get(adapter_name)
+    finder = adapter.find_mlp if adapter is not None and adapter.find_mlp is not None else find_mlp
+    return [finder(innermost(layer)) for layer in layers]
+
+
 for _module in (llama, qwen2, mistral, gemma):
     register_adapter(_module.ADAPTER.model_type, _module.ADAPTER.find_layers)
 BUILTIN_MODEL_TYPES = registered_model_types()
@@ -74,6 +87,7 @@ __all__ = [
     "register_adapter",
     "registered_model_types",
     "resolve_layers",
+    "resolve_mlps",
     "unregister_adapter",
     "unwrap_model",
 ]

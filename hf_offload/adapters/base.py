@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from torch import nn
 
 FindLayers = Callable[[nn.Module], Sequence[nn.Module]]
+FindMLP = Callable[[nn.Module], "nn.Module | None"]
 
 
 class UnsupportedModelError(ValueError):
@@ -16,10 +17,12 @@ class UnsupportedModelError(ValueError):
 
 @dataclass(frozen=True)
 class Adapter:
-    """`find_layers(model)` returns the decoder layers in forward order."""
+    """`find_layers(model)` returns the decoder layers in forward order; `find_mlp(layer)` a
+    decoder layer's MLP, for sequence tiling (None: the generic finder, `find_mlp`)."""
 
     model_type: str
     find_layers: FindLayers
+    find_mlp: FindMLP | None = None
 
 
 def unwrap_model(model: object) -> nn.Module:
@@ -109,3 +112,22 @@ def layers_of_class(*class_names: str) -> FindLayers:
         return list(layers)
 
     return find_layers
+
+
+# What decoder layers call their per-token feed-forward block, in the order they are looked for
+# (transformers 5.x: `mlp` in most families, `feed_forward` in Llama 4, Jamba and others,
+# `block_sparse_moe` in Granite MoE, `ffn` in DBRX and MPT, `mlp_block` in RecurrentGemma).
+MLP_NAMES = ("mlp", "feed_forward", "block_sparse_moe", "ffn", "mlp_block")
+# Feed-forward blocks that mix tokens, so that a slice of the sequence is not computed from its
+# own tokens alone: RWKV's shifts to the previous token, Doge's CDMoE reshapes across tokens.
+TOKEN_MIXING = frozenset({"RwkvFeedForward", "DogeCDMoE"})
+
+
+def find_mlp(layer: nn.Module) -> nn.Module | None:
+    """A decoder layer's MLP: its first child named as in MLP_NAMES that is per token, or None."""
+    children = innermost(layer)._modules
+    for name in MLP_NAMES:
+        module = children.get(name)
+        if module is not None:
+            return None if type(module).__name__ in TOKEN_MIXING else module
+    return None

@@ -1,0 +1,43 @@
+"""transformers' output capturing (`@capture_outputs`, 5.x): while a model's forward runs, forward
+hooks on chosen submodules append their outputs to a collector, one entry per call; MoE routers
+record their logits this way, and the load-balancing loss reads one entry per layer covering all
+tokens. A tiled MLP calls its router once per tile, so sequence tiling takes the tiles' entries
+out of the collector and puts back one. The collector is a private context variable of
+transformers; without it (another version), nothing is collected and there is nothing to mend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+
+def _context_variable():
+    try:
+        from transformers.utils import output_capturing
+    except ImportError:
+        return None
+    return getattr(output_capturing, "_active_collector", None)
+
+
+def active_collector() -> dict[str, list] | None:
+    """The lists outputs are being collected into, by key (e.g. "router_logits"); None outside a
+    capturing forward."""
+    variable = _context_variable()
+    return None if variable is None else variable.get()
+
+
+@contextlib.contextmanager
+def collecting(keys) -> Iterator[dict[str, list]]:
+    """Collect the given keys into fresh lists within this block (a tile recomputed in backward,
+    where no model forward is collecting)."""
+    variable = _context_variable()
+    collected = {key: [] for key in keys}
+    if variable is None:
+        yield collected
+        return
+    token = variable.set(collected)
+    try:
+        yield collected
+    finally:
+        variable.reset(token)
