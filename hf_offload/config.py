@@ -133,27 +133,35 @@ class TilingOptions:
     """Options for sequence tiling. All are keyword-only in the public API.
 
     mlp: run each decoder layer's MLP one slice of the sequence at a time, saving only its input.
+    norms: the same for the layer's own norms (RMSNorm, LayerNorm), whose float32 upcasts and
+        backward temporaries then exist for one slice.
+    projections: the same for the attention's linear projections (q, k, v, o), found at each call
+        so that LoRA layers added later are tiled whole: PEFT's float32 adapters then copy their
+        input to float32 for one slice at a time. Attention itself, which mixes tokens, is not.
     loss: compute lm_head and the cross-entropy one slice at a time, never holding the logits of
         the whole sequence (unless Liger's fused linear cross-entropy already computes the loss).
-    tile_tokens: tokens per slice. None (the default) lets each part choose: the MLP takes
-        hidden_size tokens per slice (a slice then holds about as many elements per tensor as a
-        layer's weight matrix, as ALST and Liger's tiled MLP slice it), the loss head as many as
-        keep a slice's logits within 2**28 elements (about 2,000 tokens of a 128k vocabulary).
+    tile_tokens: tokens per slice. None (the default) lets each part choose: the layers' parts
+        take hidden_size tokens per slice (as ALST and Liger's tiled MLP slice it: a slice's MLP
+        intermediates are then about as large as a weight matrix), the loss head as many as keep
+        a slice's logits within 2**28 elements (about 2,000 tokens of a 128k vocabulary).
         Sequences no longer than one slice are not tiled.
     """
 
     mlp: bool = True
+    norms: bool = True
+    projections: bool = True
     loss: bool = True
     tile_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        _require_bool("mlp", self.mlp)
-        _require_bool("loss", self.loss)
+        for name in ("mlp", "norms", "projections", "loss"):
+            _require_bool(name, getattr(self, name))
         if self.tile_tokens is not None:
             _require_int("tile_tokens", self.tile_tokens, minimum=1, or_none=True)
-        if not (self.mlp or self.loss):
+        if not (self.mlp or self.norms or self.projections or self.loss):
             raise ValueError(
-                "sequence tiling with mlp=False and loss=False tiles nothing; call disable_sequence_tiling() instead"
+                "sequence tiling with every part off (mlp, norms, projections, loss) tiles nothing; call "
+                "disable_sequence_tiling() instead"
             )
 
     @classmethod

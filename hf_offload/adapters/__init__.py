@@ -7,7 +7,19 @@ from collections.abc import Sequence
 from torch import nn
 
 from . import gemma, llama, mistral, qwen2
-from .base import Adapter, FindLayers, FindMLP, UnsupportedModelError, find_mlp, hook_point, innermost, unwrap_model
+from .base import (
+    Adapter,
+    FindLayers,
+    FindMLP,
+    UnsupportedModelError,
+    find_attention,
+    find_mlp,
+    find_norms,
+    hook_point,
+    innermost,
+    is_linear_like,
+    unwrap_model,
+)
 from .generic import find_decoder_layers
 
 _REGISTRY: dict[str, Adapter] = {}
@@ -88,6 +100,9 @@ __all__ = [
     "registered_model_types",
     "resolve_layers",
     "resolve_mlps",
+    "find_attention",
+    "find_norms",
+    "is_linear_like",
     "unregister_adapter",
     "unwrap_model",
 ]

@@ -131,3 +131,24 @@ def find_mlp(layer: nn.Module) -> nn.Module | None:
         if module is not None:
             return None if type(module).__name__ in TOKEN_MIXING else module
     return None
+
+
+# What decoder layers call their attention block: its projections in and out are per token.
+ATTENTION_NAMES = ("self_attn", "attention", "attn", "self_attention")
+
+
+def find_norms(layer: nn.Module) -> list[nn.Module]:
+    """A decoder layer's own normalisations (RMSNorm, LayerNorm: per token, over the hidden size)."""
+    children = innermost(layer)._modules.values()
+    return [module for module in children if module is not None and "Norm" in type(module).__name__]
+
+
+def find_attention(layer: nn.Module) -> nn.Module | None:
+    children = innermost(layer)._modules
+    return next((children[name] for name in ATTENTION_NAMES if children.get(name) is not None), None)
+
+
+def is_linear_like(module: nn.Module) -> bool:
+    """A linear map applied to each token: nn.Linear, or an adapter around one (PEFT's LoRA and
+    DoRA layers keep it as `base_layer`)."""
+    return isinstance(module, nn.Linear) or isinstance(getattr(module, "base_layer", None), nn.Linear)

@@ -1,11 +1,13 @@
-"""Sequence tiling: each decoder layer's MLP and the loss head run one slice of the sequence at a
-time, so that their intermediate activations and the logits exist for one slice only.
+"""Sequence tiling: the per-token parts of each decoder layer (its MLP, its norms, its attention's
+projections) and the loss head run one slice of the sequence at a time, so that their
+intermediate activations, float32 copies and logits exist for one slice only.
 
 Independent of activation offloading: alone, with gradient checkpointing, with offloading, or
 all three, in any order, before or after `get_peft_model`. Inside a checkpoint's recompute only
-the MLP's input is saved, and under the offload scope that input is what gets offloaded.
-Disabling restores every module exactly. State lives on the modules it changed: the MLPs and the
-causal LM carry an instance-level `forward` and one attribute each.
+each tiled module's input is saved, and under the offload scope that input is what gets
+offloaded. Disabling restores every module exactly. State lives on the modules it changed: each
+carries an instance-level `forward` (and the attention modules a forward pre-hook) and one
+attribute.
 """
 
 from __future__ import annotations
@@ -14,38 +16,49 @@ import logging
 
 from torch import nn
 
-from ..adapters import resolve_mlps, unwrap_model
+from ..adapters import find_attention, find_norms, resolve_layers, resolve_mlps, unwrap_model
 from ..config import TilingOptions
 from ..integrations.liger import fused_linear_cross_entropy_in_use
 from . import loss as loss_tiling
-from . import mlp as mlp_tiling
+from . import per_token
 
 logger = logging.getLogger("hf_offload")
 
 
 def enable_sequence_tiling(model: nn.Module, **options: object) -> None:
-    """Tile the sequence through each decoder layer's MLP and through the loss head.
+    """Tile the sequence through each decoder layer's per-token parts and through the loss head.
 
-    Options (keyword-only) are described in `hf_offload.TilingOptions`: `mlp`, `loss`,
-    `tile_tokens`. Calling it again reconfigures. The loss head is tiled only where Liger's fused
-    linear cross-entropy is not already computing the loss.
+    Options (keyword-only) are described in `hf_offload.TilingOptions`: `mlp`, `norms`,
+    `projections`, `loss`, `tile_tokens`. Calling it again reconfigures. The loss head is tiled
+    only where Liger's fused linear cross-entropy is not already computing the loss.
     """
     parsed = TilingOptions.from_kwargs(**options)
     target = unwrap_model(model)
-    mlps = resolve_mlps(target) if parsed.mlp else []  # raises, naming the class, before anything changes
+    per_layer = parsed.mlp or parsed.norms or parsed.projections
+    _adapter, layers = resolve_layers(target) if per_layer else (None, [])  # raises, naming the class
+    mlps = resolve_mlps(target) if parsed.mlp else []
     head = target.get_output_embeddings() if parsed.loss and hasattr(target, "get_output_embeddings") else None
     disable_sequence_tiling(target)
-    if parsed.mlp:
-        tile = parsed.tile_tokens or target.config.get_text_config().hidden_size
-        found = list({id(module): module for module in mlps if module is not None}.values())
-        for module in found:
-            mlp_tiling.install(module, tile)
-        if not found:
-            logger.warning(
-                "hf_offload: no per-token MLP found in the decoder layers of %s; only the loss head is tiled "
-                "(register_adapter(model_type, find_layers, find_mlp=...) names it)",
-                type(target).__name__,
-            )
+    tile = parsed.tile_tokens or target.config.get_text_config().hidden_size
+    modules: dict[int, nn.Module] = {}  # once each: some models share one MLP between layers
+    for mlp in mlps:
+        if mlp is not None:
+            modules[id(mlp)] = mlp
+    if parsed.mlp and not modules:
+        logger.warning(
+            "hf_offload: no per-token MLP found in the decoder layers of %s (register_adapter(model_type, "
+            "find_layers, find_mlp=...) names it)",
+            type(target).__name__,
+        )
+    for layer in layers:
+        if parsed.norms:
+            modules.update((id(norm), norm) for norm in find_norms(layer))
+        if parsed.projections:
+            attention = find_attention(layer)
+            if attention is not None:
+                per_token.tile_projections(attention, tile)
+    for module in modules.values():
+        per_token.install(module, tile)
     if parsed.loss:
         if not isinstance(head, nn.Module):
             name = type(target).__name__
@@ -57,19 +70,20 @@ def enable_sequence_tiling(model: nn.Module, **options: object) -> None:
 
 
 def disable_sequence_tiling(model: nn.Module) -> None:
-    """Remove every wrapper and attribute tiling added. A no-op if not enabled."""
+    """Remove every wrapper, hook and attribute tiling added. A no-op if not enabled."""
     target = unwrap_model(model)
     for module in target.modules():
-        if mlp_tiling.MLP_STATE_ATTR in module.__dict__:
-            mlp_tiling.uninstall(module)
-        if loss_tiling.LOSS_STATE_ATTR in module.__dict__:
-            loss_tiling.uninstall(module)
+        per_token.uninstall(module)
+        loss_tiling.uninstall(module)
 
 
 def is_sequence_tiling(model: nn.Module) -> bool:
-    """Read from the modules themselves: True when an MLP or the loss head carries the tiling."""
+    """Read from the modules themselves: True when a part of a layer or the loss head is tiled."""
     target = unwrap_model(model)
-    return any(mlp_tiling.is_tiled(module) or loss_tiling.is_tiled(module) for module in target.modules())
+    return any(
+        per_token.is_tiled(module) or per_token.PROJECTIONS_ATTR in module.__dict__ or loss_tiling.is_tiled(module)
+        for module in target.modules()
+    )
 
 
 def _install_model_methods() -> None:

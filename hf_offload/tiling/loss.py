@@ -184,6 +184,13 @@ class LossSlot:
         self._warned: set[str] = set()
         self.source: _Source | None = None
 
+    def tile_for(self, model: nn.Module) -> int:
+        if self.tile_tokens is not None:
+            return self.tile_tokens
+        head = model.get_output_embeddings()
+        weight = getattr(head, "weight", None)
+        return loss_tile_tokens(weight.shape[0] if weight is not None else getattr(model.config, "vocab_size", 1))
+
     def forward_of(self, model: nn.Module):
         if self.previous_forward is not None:
             return self.previous_forward
@@ -228,11 +235,11 @@ class LossSlot:
             yield
         finally:
             if previous_head is None:
-                del head.forward
+                head.__dict__.pop("forward", None)
             else:
                 head.forward = previous_head
             if previous_loss is missing:
-                del model._loss_function
+                model.__dict__.pop("_loss_function", None)
             else:
                 model._loss_function = previous_loss
 
@@ -249,7 +256,7 @@ def _tiled_loss(slot: LossSlot, logits: DeferredLogits, labels, num_items_in_bat
     else:
         divisor = num_items_in_batch.to(hidden.device) if torch.is_tensor(num_items_in_batch) else num_items_in_batch
     length = hidden.shape[1]
-    tile = slot.tile_tokens or loss_tile_tokens(logits.shape[-1])
+    tile = slot.tile_tokens if slot.tile_tokens is not None else loss_tile_tokens(logits.shape[-1])
     bounds = [(start, min(start + tile, length)) for start in range(0, length, tile)]
     run = _LossRun(source, logits.ops, shift_labels, ignore_index, divisor, bounds)
     slot.warn_once(
@@ -278,8 +285,11 @@ def tiled_loss_forward(self: nn.Module, *args, **kwargs):
     model instance)."""
     slot: LossSlot = self.__dict__[LOSS_STATE_ATTR]
     forward = slot.forward_of(self)
-    if kwargs.get("labels") is None or not (self.training and torch.is_grad_enabled()):
+    labels = kwargs.get("labels")
+    if labels is None or not (self.training and torch.is_grad_enabled()):
         return forward(*args, **kwargs)
+    if torch.is_tensor(labels) and labels.shape[-1] <= slot.tile_for(self):
+        return forward(*args, **kwargs)  # one slice: tiling would recompute the head and save nothing
     from transformers.loss.loss_utils import ForCausalLMLoss
 
     if self.loss_function is not ForCausalLMLoss:

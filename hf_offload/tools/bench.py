@@ -157,6 +157,9 @@ def _configure(model, mode: str, device: torch.device, min_offload_bytes: int | 
     set_checkpointing(base, False)
     if parsed.liger:
         set_liger_flce(base, True)
+    hf_offload.disable_sequence_tiling(base)
+    if parsed.tiled:
+        hf_offload.enable_sequence_tiling(base)
     if base_mode in WITHOUT_HF_OFFLOAD:
         options = {} if min_offload_bytes is None else {"min_offload_bytes": min_offload_bytes}
         if base_mode.endswith("_auto"):

@@ -163,6 +163,10 @@ def _add_estimate_command(commands: argparse._SubParsersAction) -> None:
         help="each mode also with Liger's fused linear cross-entropy (MODE+liger; a memory-equivalent stand-in runs)",
     )  # fmt: skip
     estimate.add_argument(
+        "--tile", action="store_true",
+        help="each mode also with sequence tiling: enable_sequence_tiling() with its defaults (MODE+tiled)",
+    )  # fmt: skip
+    estimate.add_argument(
         "--lora-rank", type=_int_at_least(1, "lora-rank"), default=None, help="LoRA adapters of this rank"
     )
     estimate.add_argument(
@@ -234,7 +238,7 @@ def _add_estimate_command(commands: argparse._SubParsersAction) -> None:
 
 def _estimate_modes(args: argparse.Namespace) -> list[str]:
     from .estimate import BASE_MODES, CHECKPOINTING_MODES
-    from .modes import LIGER, parse_mode
+    from .modes import LIGER, TILED, parse_mode
 
     if args.modes is not None:
         modes = list(args.modes)
@@ -242,6 +246,8 @@ def _estimate_modes(args: argparse.Namespace) -> list[str]:
         modes = list(CHECKPOINTING_MODES if args.checkpointing else BASE_MODES)
     if args.liger:
         modes += [mode + LIGER for mode in modes if not parse_mode(mode).liger]
+    if args.tile:
+        modes += [mode + TILED for mode in modes if not parse_mode(mode).tiled]
     return list(dict.fromkeys(modes))
 
 
@@ -254,6 +260,7 @@ def _run_estimate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
 
     from .devices import DEVICES, format_devices
     from .estimate import Request, format_estimate, format_json, run_estimate
+    from .modes import parse_mode
     from .presets import ConfigError, load_config, preset_config
     from .simulator import NOT_SIMULATED, Training
 
@@ -264,7 +271,7 @@ def _run_estimate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         parser.error(f"argument --efficiency: must be a fraction in (0, 1], got {args.efficiency}")
     modes = _estimate_modes(args)
     for mode in modes:
-        base = mode.split("+liger")[0]
+        base = parse_mode(mode).base
         if base in NOT_SIMULATED:
             parser.error(f"argument --modes: {mode} cannot be simulated ({NOT_SIMULATED[base]})")
         if base.endswith("_auto") and args.device_memory is None and args.device is None:
@@ -371,6 +378,9 @@ def _add_bench_command(commands: argparse._SubParsersAction) -> None:
         action="store_true",
         help="run each mode also with Liger's fused linear cross-entropy, as MODE+liger (needs liger-kernel and CUDA)",
     )
+    bench.add_argument(
+        "--tile", action="store_true", help="run each mode also with hf_offload's sequence tiling, as MODE+tiled"
+    )
     bench.add_argument("--dtype", choices=["fp32", "bf16"], default=None, help="bf16 on CUDA, fp32 on CPU")
     bench.add_argument("--lora-rank", type=_int_at_least(1, "lora-rank"), default=None, help="LoRA on all linears")
     bench.add_argument("--device", type=_available_device, default=_default_device())
@@ -434,13 +444,15 @@ def _add_bench_command(commands: argparse._SubParsersAction) -> None:
 
 def _run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from .bench import run_bench
-    from .modes import LIGER
+    from .modes import LIGER, TILED, parse_mode
 
     cuda = args.device.type == "cuda"
     if args.dtype is None:
         args.dtype = "bf16" if cuda else "fp32"
     if args.liger:
-        args.modes = [*args.modes, *(mode + LIGER for mode in args.modes if not mode.endswith(LIGER))]
+        args.modes = [*args.modes, *(mode + LIGER for mode in args.modes if not parse_mode(mode).liger)]
+    if args.tile:
+        args.modes = [*args.modes, *(mode + TILED for mode in args.modes if not parse_mode(mode).tiled)]
     args.modes = list(dict.fromkeys(args.modes))
     search_options = ("method", "start", "granularity", "seq_limit", "slope_lens")
     if not args.find_max_seq:

@@ -3,7 +3,8 @@
 A mode is a base (`none`, `hf_offload`, `checkpointing`, `checkpointing+hf_offload`, the two
 budget modes `..._auto`, `transformers_offload`, `trl_offload`) with optional suffixes: `+liger`
 computes the loss with Liger's fused linear cross-entropy (FLCE), which never materialises the
-vocabulary-wide logits.
+vocabulary-wide logits; `+tiled` turns on hf_offload's sequence tiling with its defaults
+(`enable_sequence_tiling()`: the MLPs, and the loss head unless Liger computes it).
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ WITHOUT_HF_OFFLOAD = {
     "checkpointing+hf_offload_auto": "checkpointing",
 }
 LIGER = "+liger"
-SUFFIXES = (LIGER,)
-ALL_MODES = MODES + tuple(mode + LIGER for mode in MODES)
+TILED = "+tiled"
+SUFFIXES = (LIGER, TILED)
+ALL_MODES = MODES + tuple(mode + suffix for mode in MODES for suffix in (LIGER, TILED, LIGER + TILED))
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,7 @@ class Mode:
     name: str
     base: str  # one of MODES
     liger: bool = False
+    tiled: bool = False
 
     @property
     def checkpointing(self) -> bool:
@@ -55,11 +58,12 @@ class Mode:
         return self.base.endswith("_auto")
 
     def without_hf_offload(self) -> str:
-        return WITHOUT_HF_OFFLOAD[self.base] + (LIGER if self.liger else "")
+        return WITHOUT_HF_OFFLOAD[self.base] + (LIGER if self.liger else "") + (TILED if self.tiled else "")
 
 
 def parse_mode(name: str) -> Mode:
-    """"checkpointing+hf_offload+liger" -> Mode(base="checkpointing+hf_offload", liger=True)."""
+    """"checkpointing+hf_offload+liger" -> Mode(base="checkpointing+hf_offload", liger=True); the
+    suffixes in any order."""
     base, found = name, set()
     while True:
         suffix = next((s for s in SUFFIXES if base.endswith(s) and s not in found), None)
@@ -69,7 +73,7 @@ def parse_mode(name: str) -> Mode:
         base = base[: -len(suffix)]
     if base not in MODES:
         raise ValueError(f"unknown mode {name!r}; valid: {', '.join(ALL_MODES)}")
-    return Mode(name, base, liger=LIGER in found)
+    return Mode(name, base, liger=LIGER in found, tiled=TILED in found)
 
 
 def set_checkpointing(model, enabled: bool, *, offload: bool = False) -> None:

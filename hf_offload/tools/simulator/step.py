@@ -58,6 +58,7 @@ class Training:
     device: Device = DEVICES["h200"]
     device_memory_bytes: int | None = None  # what the "_auto" modes read as the device's memory
     device_budget_bytes: int | None = None  # max_device_bytes for the other hf_offload modes (None: no budget)
+    tile_tokens: int | None = None  # for the "+tiled" modes (None: tiling's defaults)
 
     def __post_init__(self) -> None:
         if self.optimizer_states not in (0, 2):
@@ -296,6 +297,9 @@ class Simulator:
                 set_liger_flce(base, True)
                 stack.callback(set_liger_flce, base, False)
                 stack.enter_context(simulated_liger_loss())
+            if mode.tiled:
+                hf_offload.enable_sequence_tiling(base, tile_tokens=training.tile_tokens)
+                stack.callback(hf_offload.disable_sequence_tiling, base)
             if mode.hf_offload:
                 if mode.budget:
                     if device_memory is None:

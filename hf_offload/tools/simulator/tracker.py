@@ -34,6 +34,8 @@ _FLOP_FORMULAS = flop_counter.flop_registry
 ATTENTION_OPS = frozenset(packet for packet in _FLOP_FORMULAS if "attention" in str(packet))
 _FLASH_BACKWARD = aten._scaled_dot_product_flash_attention_backward.default
 # Ops that move no data: allocating, aliasing, reinterpreting.
+# Ops whose outputs share an input's storage without being marked as views.
+_NEVER_CACHED = frozenset({aten._unsafe_view.default, aten.lift_fresh.default, aten.alias.default})
 _NO_TRAFFIC = frozenset(
     {aten.empty.memory_format, aten.empty_strided.default, aten.set_.source_Storage,
      aten.set_.source_Storage_storage_offset, aten._unsafe_view.default, aten.lift_fresh.default}
@@ -67,6 +69,93 @@ class Peak:
     workspace: tuple[str, int] | None = None  # a kernel's own allocation counted at the peak
 
 
+class OutputCache:
+    """Meta tensors' outputs by the op and its inputs' metadata. Many meta kernels are Python
+    (torch._refs), so an op on meta costs tens of microseconds, and a step runs the same few
+    hundred ops again and again (every layer, every tile). An op whose outputs are new storages
+    (not views, not in place) gets them from the cache as fresh empty tensors of the same sizes,
+    strides and dtypes, which is all a meta kernel computes; the op runs for real once per key."""
+
+    def __init__(self) -> None:
+        self.entries: dict[tuple, tuple | None] = {}  # key -> output metadata, None: never cached
+        self.hits = 0
+
+    def run(self, func, args, kwargs):
+        key = _cache_key(func, args, kwargs)
+        entry = self.entries.get(key, _MISSING) if key is not None else None
+        if entry is _MISSING:
+            out = func(*args, **kwargs)
+            self.entries[key] = _metadata(out, args, kwargs)
+            return out
+        if entry is None:
+            return func(*args, **kwargs)
+        self.hits += 1
+        tensors = [torch.empty_strided(size, stride, dtype=dtype, device="meta") for size, stride, dtype in entry[1]]
+        return tensors[0] if entry[0] else tuple(tensors)
+
+
+_MISSING = object()
+
+
+class _Uncacheable(Exception):
+    """An argument the cache cannot key on (a real tensor, an object)."""
+
+
+def _describe(value):
+    if isinstance(value, torch.Tensor):
+        if not value.is_meta:
+            raise _Uncacheable
+        return ("tensor", tuple(value.shape), value.stride(), value.dtype)
+    if isinstance(value, (list, tuple)):
+        return tuple(_describe(item) for item in value)
+    if value is None or isinstance(value, _PLAIN):
+        return (type(value), value)
+    raise _Uncacheable
+
+
+_PLAIN = (bool, int, float, str, torch.dtype, torch.device, torch.memory_format, torch.layout)
+
+
+def _cache_key(func, args, kwargs):
+    if func.is_view or func._schema.is_mutable or func in _NEVER_CACHED:
+        return None
+    try:
+        return (func, _describe(args), tuple((name, _describe(value)) for name, value in sorted(kwargs.items())))
+    except _Uncacheable:
+        return None
+
+
+def _metadata(out, args, kwargs):
+    """(single, [(sizes, strides, dtype)]) when every output is a new meta storage; else None."""
+    single = isinstance(out, torch.Tensor)
+    outputs = (out,) if single else out
+    if not isinstance(outputs, tuple) or not outputs:
+        return None
+    if not all(isinstance(o, torch.Tensor) and o.is_meta for o in outputs):
+        return None
+    inputs = {id(t.untyped_storage()) for t in _tensors((args, kwargs))}
+    storages = [id(o.untyped_storage()) for o in outputs]
+    if inputs.intersection(storages) or len(set(storages)) != len(storages):
+        return None
+    return single, [(tuple(o.shape), o.stride(), o.dtype) for o in outputs]
+
+
+def _tensors(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+
+
+def _mm_flops(args) -> int:
+    (rows, inner), columns = args[0].shape, args[1].shape[1]
+    return 2 * rows * inner * columns
+
+
 def _tensor_bytes(values) -> int:
     total = 0
     for value in values:
@@ -98,6 +187,7 @@ class MemoryTracker(TorchDispatchMode):
         self.traffic_bytes = 0
         self._op = ""
         self._pending_snapshot = False
+        self.outputs = OutputCache()
 
     # -- what the runner calls ------------------------------------------------------------------
 
@@ -138,7 +228,7 @@ class MemoryTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        out = self.outputs.run(func, args, kwargs)
         self._op = func
         outputs = out if isinstance(out, (tuple, list)) else (out,)
         for tensor in outputs:
@@ -147,7 +237,8 @@ class MemoryTracker(TorchDispatchMode):
         packet = func.overloadpacket
         formula = _FLOP_FORMULAS.get(packet)
         if formula is not None:
-            flops = formula(*args, **kwargs, out_val=out)
+            # mm, the commonest by far, directly: flop_counter's formulas go through pytree per call.
+            flops = _mm_flops(args) if packet is aten.mm else formula(*args, **kwargs, out_val=out)
             counts = self.flops_by_tag[self.tag]
             if packet in ATTENTION_OPS:
                 self.attention_flops += flops

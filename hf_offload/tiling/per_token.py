@@ -1,19 +1,21 @@
-"""A decoder layer's MLP, run one slice of the sequence at a time.
+"""A per-token module (a decoder layer's MLP, its norms, its attention's projections), run one
+slice of the sequence at a time.
 
-The MLP is per token, so its output for a slice of tokens depends on those tokens only. In
-forward the slices run under no_grad and only the MLP's input is saved; in backward each slice
-is recomputed with grad and differentiated with `torch.autograd.grad`, and the parameters'
+The module is per token, so its output for a slice of tokens depends on those tokens only. In
+forward the slices run under no_grad and only the module's input is saved; in backward each
+slice is recomputed with grad and differentiated with `torch.autograd.grad`, and the parameters'
 gradients are summed over the slices and returned once. The intermediate activations of one
 slice exist at a time. (Returned once, not accumulated per slice into `.grad`: each parameter's
 AccumulateGrad runs once per step, as without tiling, so DDP's reducer and FSDP2's post-backward
 see one gradient, and hooks on gradients fire as they would.)
 
-It wraps the module's own current forward on the instance, so whatever the MLP is runs
+It wraps the module's own current forward on the instance, so whatever the module is runs
 unchanged: transformers' gated MLP, one with LoRA or DoRA adapters, Liger's SwiGLU forward, an
-MoE block. MoE routers record their logits through transformers' output capturing, once per
-call: the slices' records are taken out and one record for all tokens, reassembled in token
-order and differentiable, is put back, so `outputs.router_logits` and the load-balancing loss
-are as without tiling.
+MoE block, a LoRA'd projection with its float32 adapters (whose float32 copies of their input
+then exist for one slice). MoE routers record their logits through transformers' output
+capturing, once per call: the slices' records are taken out and one record for all tokens,
+reassembled in token order and differentiable, is put back, so `outputs.router_logits` and the
+load-balancing loss are as without tiling.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from ..integrations.transformers_outputs import active_collector, collecting
 
 logger = logging.getLogger("hf_offload")
 
-MLP_STATE_ATTR = "_hf_offload_tiled_mlp"
+STATE_ATTR = "_hf_offload_tiled"
+PROJECTIONS_ATTR = "_hf_offload_tiled_projections"
 
 _SEQ, _TOKENS = "seq", "tokens"  # output layouts: (batch, tokens, ...) or (batch x tokens, ...)
 
@@ -41,7 +44,7 @@ class _Untileable(Exception):
 
 @dataclass
 class _Slot:
-    """What tiling keeps on an MLP instance."""
+    """What tiling keeps on a module it tiles."""
 
     tile_tokens: int
     previous_forward: object  # an instance-level forward that was there before (None: the class's)
@@ -206,9 +209,9 @@ class _TiledMLP(torch.autograd.Function):
 
 
 def tiled_forward(self: nn.Module, *args, **kwargs):
-    """The MLP's forward, one slice of the sequence at a time when grad is on and the sequence is
-    longer than a tile (bound to the MLP instance)."""
-    slot: _Slot = self.__dict__[MLP_STATE_ATTR]
+    """The module's forward, one slice of the sequence at a time when grad is on and the sequence
+    is longer than a tile (bound to the module instance)."""
+    slot: _Slot = self.__dict__[STATE_ATTR]
     forward = slot.forward_of(self)
     hidden = args[0] if len(args) == 1 and not kwargs else None
     if (
@@ -224,7 +227,7 @@ def tiled_forward(self: nn.Module, *args, **kwargs):
     except _Untileable as reason:
         slot.untileable = str(reason)
         logger.warning(
-            "hf_offload: %s runs untiled: %s (sequence tiling needs an MLP whose outputs are per token)",
+            "hf_offload: %s runs untiled: %s (sequence tiling needs a module whose outputs are per token)",
             type(self).__name__,
             reason,
         )
@@ -298,29 +301,55 @@ def _prepare(module: nn.Module, forward, hidden: torch.Tensor, tile_tokens: int)
     return run
 
 
-def install(mlp: nn.Module, tile_tokens: int) -> None:
-    existing: _Slot | None = mlp.__dict__.get(MLP_STATE_ATTR)
-    previous = mlp.__dict__.get("forward")
+def install(module: nn.Module, tile_tokens: int) -> None:
+    existing: _Slot | None = module.__dict__.get(STATE_ATTR)
+    previous = module.__dict__.get("forward")
     if existing is not None and isinstance(previous, types.MethodType) and previous.__func__ is tiled_forward:
         previous = existing.previous_forward  # ours already: reconfigure, never stack
-    setattr(mlp, MLP_STATE_ATTR, _Slot(tile_tokens, previous))
-    mlp.forward = types.MethodType(tiled_forward, mlp)
+    setattr(module, STATE_ATTR, _Slot(tile_tokens, previous))
+    module.forward = types.MethodType(tiled_forward, module)
 
 
-def uninstall(mlp: nn.Module) -> None:
-    slot: _Slot | None = mlp.__dict__.get(MLP_STATE_ATTR)
-    if slot is None:
-        return
-    current = mlp.__dict__.get("forward")
-    if isinstance(current, types.MethodType) and current.__func__ is tiled_forward:
-        if slot.previous_forward is None:
-            del mlp.forward
-        else:
-            mlp.forward = slot.previous_forward
-    delattr(mlp, MLP_STATE_ATTR)
+def uninstall(module: nn.Module) -> None:
+    slot: _Slot | None = module.__dict__.get(STATE_ATTR)
+    if slot is not None:
+        current = module.__dict__.get("forward")
+        if isinstance(current, types.MethodType) and current.__func__ is tiled_forward:
+            if slot.previous_forward is None:
+                del module.forward
+            else:
+                module.forward = slot.previous_forward
+        delattr(module, STATE_ATTR)
+    projections = module.__dict__.get(PROJECTIONS_ATTR)
+    if projections is not None:
+        projections.handle.remove()
+        delattr(module, PROJECTIONS_ATTR)
 
 
-def is_tiled(mlp: nn.Module) -> bool:
-    current = mlp.__dict__.get("forward")
+def is_tiled(module: nn.Module) -> bool:
+    current = module.__dict__.get("forward")
     ours = isinstance(current, types.MethodType) and current.__func__ is tiled_forward
-    return ours and MLP_STATE_ATTR in mlp.__dict__
+    return ours and STATE_ATTR in module.__dict__
+
+
+@dataclass
+class _Projections:
+    tile_tokens: int
+    handle: object = None
+
+
+def tile_projections(attention: nn.Module, tile_tokens: int) -> None:
+    """Tile the attention module's linear projections, found at each of its calls: PEFT may
+    replace them by LoRA layers after tiling was enabled, and the LoRA layer as a whole (its
+    float32 casts included) is what should run per slice."""
+    from ..adapters import is_linear_like
+
+    def tile_children(module, args) -> None:
+        for child in module._modules.values():
+            if child is not None and STATE_ATTR not in child.__dict__ and is_linear_like(child):
+                install(child, tile_tokens)
+
+    uninstall(attention)
+    state = _Projections(tile_tokens)
+    state.handle = attention.register_forward_pre_hook(tile_children)
+    setattr(attention, PROJECTIONS_ATTR, state)

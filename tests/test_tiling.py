@@ -1,0 +1,431 @@
+"""Sequence tiling: the per-token parts of each layer and the loss head, one slice at a time.
+
+Tiling changes the order of sums, so it is held close to untiled training (in float64 tightly,
+in float32 and bf16 loosely); offloading stays exact: tiling + offloading is bit-identical to
+tiling alone. The tiny models have 64-token sequences and 16-token slices (4 slices).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import types
+
+import pytest
+import torch
+from conftest import VOCAB, assert_bit_identical, enable_sim, tiny_model, twin
+from peft import LoraConfig, get_peft_model
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import hf_offload
+from hf_offload.tiling import loss as loss_tiling
+from hf_offload.tiling import per_token
+
+SEQ, TILE = 64, 16
+FLOAT64 = dict(rtol=1e-9, atol=1e-12)
+# A float64 model still sums some things in float32, as transformers wrote them: the loss
+# (ForCausalLMLoss upcasts the logits with .float()) and Gemma's RMSNorm weight (x.float() times
+# 1 + weight.float()). Those sums are held to float32's rounding, the rest to float64's.
+SUMMED_IN_FLOAT32 = dict(rtol=1e-5, atol=1e-9)
+GEMMA_NORM = re.compile(r"norm\.weight$")
+LOOSE = {torch.float32: dict(rtol=2e-3, atol=1e-5), torch.bfloat16: dict(rtol=5e-2, atol=5e-3)}
+CHECKPOINTING = {"none": None, "non_reentrant": {"use_reentrant": False}, "reentrant": {"use_reentrant": True}}
+
+
+def ids(seed: int = 1, batch: int = 2, seq: int = SEQ, vocab: int = VOCAB) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def step(model, inputs=None, **kwargs):
+    """One training step: (loss, gradients, the output)."""
+    inputs = ids() if inputs is None else inputs
+    model.zero_grad(set_to_none=True)
+    output = model(input_ids=inputs, labels=inputs, **kwargs)
+    output.loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return output.loss.detach(), grads, output
+
+
+def assert_close(expected, actual, float32_sums=None, **tolerance):
+    """Loss and gradients within `tolerance`; where float64 was asked for, the loss and the
+    gradients whose names match `float32_sums` within float32's rounding."""
+    (expected_loss, expected_grads), (loss, grads) = expected[:2], actual[:2]
+    in_float32 = SUMMED_IN_FLOAT32 if tolerance == FLOAT64 else tolerance
+    torch.testing.assert_close(loss, expected_loss, **in_float32)
+    assert expected_grads.keys() == grads.keys() and grads
+    for name in expected_grads:
+        held = in_float32 if float32_sums is not None and float32_sums.search(name) else tolerance
+        torch.testing.assert_close(grads[name], expected_grads[name], **held, msg=name)
+
+
+def build(model_type="llama", dtype=torch.float64, tuning="full", checkpointing="none", **overrides):
+    model = tiny_model(model_type, **overrides).to(dtype)
+    if tuning == "lora":
+        model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+    base = model.get_base_model() if tuning == "lora" else model
+    if CHECKPOINTING[checkpointing] is not None:
+        base.activation_checkpointing_enable(CHECKPOINTING[checkpointing])
+    return model
+
+
+@pytest.fixture(autouse=True)
+def quiet(caplog):
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    yield
+
+
+# -- close to untiled, exact under offloading ------------------------------------------------------
+
+
+@pytest.mark.parametrize("checkpointing", sorted(CHECKPOINTING))
+@pytest.mark.parametrize("tuning", ["full", "lora"])
+def test_tiling_is_close_to_untiled_in_float64(model_type, tuning, checkpointing):
+    plain = build(model_type, tuning=tuning, checkpointing=checkpointing)
+    tiled = twin(plain)
+    hf_offload.enable_sequence_tiling(tiled, tile_tokens=TILE)
+    assert tiled.is_sequence_tiling
+    expected, actual = step(plain), step(tiled)
+    assert_close(expected, actual, GEMMA_NORM if model_type.startswith("gemma") else None, **FLOAT64)
+    assert actual[2].logits is None and expected[2].logits is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiling_is_close_to_untiled_in_lower_precision(dtype):
+    plain = build("llama", dtype=dtype, tuning="lora", checkpointing="non_reentrant")
+    tiled = twin(plain)
+    hf_offload.enable_sequence_tiling(tiled, tile_tokens=TILE)
+    assert_close(step(plain), step(tiled), **LOOSE[dtype])
+
+
+@pytest.mark.parametrize("checkpointing", sorted(CHECKPOINTING))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiling_with_offloading_is_bit_identical_to_tiling_alone(model_type, dtype, checkpointing):
+    tiled = build(model_type, dtype=dtype, tuning="lora", checkpointing=checkpointing)
+    hf_offload.enable_sequence_tiling(tiled, tile_tokens=TILE)
+    both = twin(tiled)
+    enable_sim(both)
+    for seed in (1, 2):  # the second step reuses the engine's handles and pooled buffers
+        loss, grads, _ = step(tiled, ids(seed))
+        loss_both, grads_both, _ = step(both, ids(seed))
+        assert torch.equal(loss, loss_both)
+        assert_bit_identical(grads, grads_both)
+    stats = both.activation_offloading_stats()
+    assert stats.offloaded_tensors > 0 and stats.restored_tensors >= stats.offloaded_tensors
+
+
+@pytest.mark.parametrize("order", ["tiling, offloading, peft", "peft, offloading, tiling", "offloading, tiling, peft"])
+def test_any_order_of_tiling_offloading_and_peft(order):
+    """Enabled in any order, before or after get_peft_model: the same step as tiling last."""
+    steps = order.split(", ")
+    model = build("llama")
+    reference = twin(model)
+    for name in steps:
+        if name == "tiling":
+            hf_offload.enable_sequence_tiling(model, tile_tokens=TILE)
+        elif name == "offloading":
+            enable_sim(model)
+        else:
+            model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+    reference = get_peft_model(reference, LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+    reference.load_state_dict(model.state_dict())
+    hf_offload.enable_sequence_tiling(reference, tile_tokens=TILE)
+    assert_close(step(reference), step(model), rtol=0, atol=0)
+    lora = next(m for n, m in model.named_modules() if n.endswith("self_attn.q_proj"))
+    assert per_token.is_tiled(lora)  # the LoRA layer as a whole, its float32 casts included
+
+
+def dropout_mlp_pair():
+    """GPT-2, whose MLP ends in dropout: tiled, and a reference whose MLP runs the same slices in
+    the same order with autograd keeping everything (so it draws the same dropout masks)."""
+    config = AutoConfig.for_model("gpt2", n_embd=32, n_layer=2, n_head=4, n_positions=SEQ, vocab_size=VOCAB,
+                                  resid_pdrop=0.5, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    torch.manual_seed(0)
+    tiled = AutoModelForCausalLM.from_config(config).to(torch.float64).train()
+    reference = twin(tiled)
+    for block in reference.transformer.h:
+        mlp_forward = block.mlp.forward
+        slices = lambda x, f=mlp_forward: [f(x[:, s : s + TILE].clone()) for s in range(0, SEQ, TILE)]  # noqa: E731
+        block.mlp.forward = lambda x, slices=slices: torch.cat(slices(x), 1)
+    hf_offload.enable_sequence_tiling(tiled, tile_tokens=TILE, norms=False, projections=False, loss=False)
+    return reference, tiled
+
+
+def seeded_step(model):
+    torch.manual_seed(7)
+    return step(model)
+
+
+def test_backward_recomputes_each_slice_with_its_forward_dropout_mask():
+    reference, tiled = dropout_mlp_pair()
+    assert_close(seeded_step(reference), seeded_step(tiled), **FLOAT64)
+
+
+def test_without_replaying_the_random_state_the_masks_would_differ(monkeypatch):
+    """Companion: a backward that recomputed the slices with fresh random numbers is caught."""
+    reference, tiled = dropout_mlp_pair()
+    monkeypatch.setattr(per_token, "_replaying", lambda state, device: contextlib.nullcontext())
+    with pytest.raises(AssertionError):
+        assert_close(seeded_step(reference), seeded_step(tiled), **FLOAT64)
+
+
+# -- what is saved, and what is not tiled ----------------------------------------------------------
+
+
+def saved_inside(module: torch.nn.Module, model, inputs):
+    """The tensors autograd saves while `module` runs, in one training step."""
+    saved = []
+
+    def pre(mod, args):
+        mod._recording = torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t)
+        mod._recording.__enter__()
+
+    def post(mod, args, output):
+        mod._recording.__exit__(None, None, None)
+        del mod._recording
+
+    handles = [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+    try:
+        step(model, inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return saved
+
+
+def test_a_tiled_mlp_saves_only_its_input():
+    model = build("llama", dtype=torch.float32)
+    mlp = model.model.layers[0].mlp
+    untiled = saved_inside(mlp, model, ids())
+    hf_offload.enable_sequence_tiling(model, tile_tokens=TILE)
+    recorded_input = []
+    mlp.register_forward_pre_hook(lambda module, args: recorded_input.append(args[0]))
+    tiled = saved_inside(mlp, model, ids())
+    assert len(untiled) > 3  # gate, up, the product, ...: the companion, for contrast
+    assert len(tiled) == 1 and tiled[0] is recorded_input[0]
+
+
+def test_sequences_at_or_under_one_tile_are_not_tiled(monkeypatch):
+    model = build("llama")
+    hf_offload.enable_sequence_tiling(model, tile_tokens=SEQ)
+    applied = []
+    monkeypatch.setattr(per_token._TiledMLP, "apply", lambda *args: applied.append(1))
+    monkeypatch.setattr(loss_tiling._TiledLoss, "apply", lambda *args: applied.append(1))
+    calls = []
+    mlp = model.model.layers[0].mlp
+    original = type(mlp).forward
+    counted = lambda self, x: (self is mlp and calls.append(x.shape)) or original(self, x)  # noqa: E731
+    monkeypatch.setattr(type(mlp), "forward", counted)
+    plain = build("llama")
+    plain.load_state_dict(model.state_dict())
+    assert_close(step(plain), step(model), rtol=0, atol=0)
+    assert not applied and calls == [torch.Size([2, SEQ, 32])]
+
+
+def test_eval_no_grad_and_generate_are_untouched():
+    model = build("llama")
+    hf_offload.enable_sequence_tiling(model, tile_tokens=TILE)
+    plain = build("llama")
+    plain.load_state_dict(model.state_dict())
+    inputs = ids()
+    for each in (model, plain):
+        each.eval()
+    with torch.no_grad():
+        tiled_out, plain_out = model(input_ids=inputs, labels=inputs), plain(input_ids=inputs, labels=inputs)
+    assert torch.equal(tiled_out.logits, plain_out.logits) and torch.equal(tiled_out.loss, plain_out.loss)
+    generated = model.generate(inputs[:, :8], max_new_tokens=4, do_sample=False)
+    assert torch.equal(generated, plain.generate(inputs[:, :8], max_new_tokens=4, do_sample=False))
+
+
+def test_the_missing_logits_are_said_once(caplog):
+    model = build("llama")
+    hf_offload.enable_sequence_tiling(model, tile_tokens=TILE)
+    with caplog.at_level(logging.WARNING, logger="hf_offload"):
+        for seed in (1, 2):
+            assert step(model, ids(seed))[2].logits is None
+    said = [r for r in caplog.records if "outputs.logits is None" in r.getMessage()]
+    assert len(said) == 1
+
+
+def test_loss_off_keeps_the_logits():
+    model = build("llama")
+    hf_offload.enable_sequence_tiling(model, tile_tokens=TILE, loss=False)
+    assert step(model)[2].logits is not None
+    assert not loss_tiling.is_tiled(model)
+
+
+# -- the loss head against transformers' loss ------------------------------------------------------
+
+
+def test_the_tiled_loss_never_holds_the_whole_logits():
+    """The loss head's tensors of vocabulary width exist for one slice at a time: the largest
+    tensor autograd saves or that is live in the loss head's ops is a slice's."""
+    vocab = 4096
+    model = build("llama", dtype=torch.float32, vocab_size=vocab)
+    hf_offload.enable_sequence_tiling(model, tile_tokens=TILE, mlp=False, norms=False, projections=False)
+    widest = []
+    original = loss_tiling._cross_entropy_sum
+
+    def spying(logits, labels, ignore_index):
+        widest.append(logits.numel())
+        return original(logits, labels, ignore_index)
+
+    loss_tiling._cross_entropy_sum = spying
+    try:
+        step(model, ids(vocab=vocab))
+    finally:
+        loss_tiling._cross_entropy_sum = original
+    assert widest and max(widest) == 2 * TILE * vocab  # batch x slice x vocabulary, never batch x 64 x vocabulary
+
+
+def test_the_tiled_loss_matches_transformers_with_ignored_labels_and_num_items_in_batch():
+    plain = build("llama")
+    tiled = twin(plain)
+    hf_offload.enable_sequence_tiling(tiled, tile_tokens=TILE)
+    inputs = ids()
+    labels = inputs.clone()
+    labels[0, :20] = -100
+    labels[1, 40:] = -100
+    for kwargs in ({}, {"num_items_in_batch": torch.tensor(50)}, {"num_items_in_batch": 50}):
+        expected, actual = [], []
+        for model, out in ((plain, expected), (tiled, actual)):
+            model.zero_grad(set_to_none=True)
+            loss = model(input_ids=inputs, labels=labels, **kwargs).loss
+            loss.backward()
+            out.extend([loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}])
+        assert_close(expected, actual, **FLOAT64)
+
+
+def test_the_tiled_loss_matches_with_shift_labels():
+    plain = build("llama")
+    tiled = twin(plain)
+    hf_offload.enable_sequence_tiling(tiled, tile_tokens=TILE)
+    inputs = ids()
+    shifted = torch.cat([inputs[:, 1:], torch.full((2, 1), -100)], dim=1)
+    assert_close(step(plain, shift_labels=shifted), step(tiled, shift_labels=shifted), **FLOAT64)
+
+
+def test_final_logit_softcapping_and_tied_embeddings():
+    """Gemma 2 scales, tanh-caps and rescales its logits between lm_head and the loss, and ties
+    lm_head to the embeddings: the recorded transforms run on every slice, and the tied weight's
+    gradient (from the embeddings and the head) is close."""
+    plain = build("gemma2", final_logit_softcapping=5.0, tie_word_embeddings=True, query_pre_attn_scalar=8,
+                  sliding_window=16)  # fmt: skip
+    assert plain.lm_head.weight is plain.model.embed_tokens.weight
+    tiled = twin(plain)
+    hf_offload.enable_sequence_tiling(tiled, tile_tokens=TILE)
+    assert_close(step(plain), step(tiled), GEMMA_NORM, **FLOAT64)
+
+
+def test_a_transform_that_is_not_per_token_makes_the_logits_real(caplog):
+    """A model whose code reshapes its logits across tokens before the loss (as a model computing its
+    own cross-entropy on logits.view(-1, vocab) does): the tiled loss cannot do that slice by
+    slice, says so, and the step runs as without tiling."""
+    plain = build("llama")
+    tiled = twin(plain)
+    for model in (plain, tiled):
+        forward = type(model).forward
+
+        def narrowed(self, *args, _forward=forward, **kwargs):
+            head = self.lm_head
+            original, own = head.forward, head.__dict__.get("forward")
+            head.forward = lambda hidden: original(hidden).flatten(0, 1).unflatten(0, hidden.shape[:2])
+            try:
+                return _forward(self, *args, **kwargs)
+            finally:
+                head.__dict__.pop("forward")
+                if own is not None:
+                    head.forward = own
+
+        model.forward = types.MethodType(narrowed, model)
+    hf_offload.enable_sequence_tiling(tiled, tile_tokens=TILE, mlp=False, norms=False, projections=False)
+    inputs = ids()
+    with caplog.at_level(logging.WARNING, logger="hf_offload"):
+        assert_close(step(plain, inputs), step(tiled, inputs), rtol=0, atol=0)
+    assert any("runs untiled" in r.getMessage() for r in caplog.records)
+
+
+# -- mixture of experts ----------------------------------------------------------------------------
+
+
+def moe_model(model_type):
+    config = AutoConfig.for_model(
+        model_type, hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=VOCAB, num_experts=4,
+        num_local_experts=4, num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).train()
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_moe_router_logits_and_load_balancing_loss_come_out_right(model_type):
+    """One router-logits entry per layer covering every token, in token order, differentiable: the
+    load-balancing loss (with a padding mask, which reads the entries row by row) and the router's
+    gradient are as without tiling."""
+    plain = moe_model(model_type)
+    tiled = twin(plain)
+    hf_offload.enable_sequence_tiling(tiled, tile_tokens=TILE)
+    inputs = ids(seq=48)
+    mask = torch.ones_like(inputs)
+    mask[1, :5] = 0
+    expected, actual = step(plain, inputs, attention_mask=mask), step(tiled, inputs, attention_mask=mask)
+    assert_close(expected, actual, rtol=1e-4, atol=1e-6)
+    plain_out, tiled_out = expected[2], actual[2]
+    assert len(tiled_out.router_logits) == len(plain_out.router_logits) == 2
+    for mine, theirs in zip(tiled_out.router_logits, plain_out.router_logits, strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(tiled_out.aux_loss, plain_out.aux_loss, rtol=1e-5, atol=1e-7)
+    routers = [name for name in expected[1] if "gate.weight" in name and "mlp" in name]
+    assert routers and all(name in actual[1] for name in routers)
+
+
+def test_without_reassembly_the_router_logits_would_be_per_slice(monkeypatch):
+    """Companion: were the slices' records left in place, a layer would leave one entry per slice."""
+    model = moe_model("qwen3_moe")
+    hf_offload.enable_sequence_tiling(model, tile_tokens=TILE)
+    monkeypatch.setattr(per_token, "active_collector", lambda: None)  # the slices' records stay where they are
+    output = model(input_ids=ids(seq=48), labels=ids(seq=48))
+    assert len(output.router_logits) == 2 * 3
+
+
+# -- switching it on and off ----------------------------------------------------------------------
+
+
+def test_disabling_restores_every_module_exactly():
+    model = build("llama", tuning="lora")
+    before = {name: dict(module.__dict__) for name, module in model.named_modules()}
+    hooks_before = {name: dict(module._forward_pre_hooks) for name, module in model.named_modules()}
+    hf_offload.enable_sequence_tiling(model, tile_tokens=TILE)
+    step(model)  # the projections are tiled at the attention's first call
+    hf_offload.enable_sequence_tiling(model, tile_tokens=TILE)  # again: reconfigures, never stacks
+    hf_offload.disable_sequence_tiling(model)
+    assert not model.is_sequence_tiling
+    for name, module in model.named_modules():
+        assert module.__dict__.keys() == before[name].keys(), name
+        assert dict(module._forward_pre_hooks) == hooks_before[name], name
+
+
+@pytest.mark.parametrize(
+    "options,error,fragment",
+    [
+        ({"tile_tokens": 0}, ValueError, "option tile_tokens must be an int >= 1 or None, got 0"),
+        ({"tile_tokens": 2.5}, TypeError, "option tile_tokens must be an int >= 1 or None, got 2.5"),
+        ({"mlp": "yes"}, TypeError, "option mlp must be True or False"),
+        ({"mlp": False, "norms": False, "projections": False, "loss": False}, ValueError, "tiles nothing"),
+        ({"tiles": 4}, TypeError, "unknown sequence tiling option(s) 'tiles'"),
+    ],
+)
+def test_bad_options_are_named(options, error, fragment):
+    with pytest.raises(error, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+        hf_offload.enable_sequence_tiling(build("llama"), **options)
+
+
+def test_an_unsupported_model_is_named():
+    class NotALanguageModel(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4)])
+
+    with pytest.raises(hf_offload.UnsupportedModelError, match="NotALanguageModel"):
+        hf_offload.enable_sequence_tiling(NotALanguageModel())
