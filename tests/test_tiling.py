@@ -205,6 +205,36 @@ def test_a_tiled_mlp_saves_only_its_input():
     assert len(tiled) == 1 and tiled[0] is recorded_input[0]
 
 
+def mlp_slices_run(model, monkeypatch) -> list[int]:
+    """How many slices the first layer's MLP runs in each of two training steps."""
+    mlp = model.model.layers[0].mlp
+    original = type(mlp).forward
+    calls = []
+    monkeypatch.setattr(type(mlp), "forward", lambda self, x: (self is mlp and calls.append(1)) or original(self, x))
+    counts = []
+    for seed in (1, 2):
+        calls.clear()
+        step(model, ids(seed))
+        counts.append(len(calls))
+    return counts
+
+
+def test_inside_a_checkpoint_the_mlp_runs_once_in_forward_and_once_in_backward(monkeypatch):
+    """The recompute stops at the tiled MLP's saved input (the layer's last saved tensor), so its
+    slices run in forward and in backward only: as often as the untiled MLP runs whole."""
+    model = build("llama", checkpointing="non_reentrant")
+    hf_offload.enable_sequence_tiling(model, tile_tokens=TILE)
+    assert mlp_slices_run(model, monkeypatch) == [2 * SEQ // TILE] * 2
+
+
+def test_without_the_early_stop_the_recompute_would_run_the_slices_again(monkeypatch):
+    """Companion: with PyTorch's early stop off, the count sees the recompute's third pass."""
+    model = build("llama", checkpointing="non_reentrant")
+    hf_offload.enable_sequence_tiling(model, tile_tokens=TILE)
+    with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+        assert mlp_slices_run(model, monkeypatch) == [3 * SEQ // TILE] * 2
+
+
 def test_sequences_at_or_under_one_tile_are_not_tiled(monkeypatch):
     model = build("llama")
     hf_offload.enable_sequence_tiling(model, tile_tokens=SEQ)

@@ -49,6 +49,7 @@ class _Slot:
     tile_tokens: int
     previous_forward: object  # an instance-level forward that was there before (None: the class's)
     untileable: str | None = None  # why it runs untiled, once found
+    signatures: dict = field(default_factory=dict)  # what it returns, by the kind of input
 
     def forward_of(self, module: nn.Module):
         if self.previous_forward is not None:
@@ -65,19 +66,20 @@ def _layout(tensor: torch.Tensor, batch: int, tokens: int) -> str:
     raise _Untileable(f"an output of shape {shape} is neither (batch, tokens, ...) nor (batch x tokens, ...)")
 
 
-def _join(parts: list[torch.Tensor], layout: str, batch: int) -> torch.Tensor:
-    if layout == _SEQ:
-        return torch.cat(parts, dim=1)
-    rows = [part.view(batch, -1, *part.shape[1:]) for part in parts]
-    joined = torch.cat(rows, dim=1)
-    return joined.view(-1, *joined.shape[2:])
-
-
 def _tile_of(tensor: torch.Tensor, layout: str, batch: int, start: int, stop: int) -> torch.Tensor:
     if layout == _SEQ:
         return tensor[:, start:stop]
     rows = tensor.view(batch, -1, *tensor.shape[1:])[:, start:stop]
     return rows.reshape(-1, *tensor.shape[1:])
+
+
+def _write(whole: torch.Tensor, piece: torch.Tensor, layout: str, batch: int, start: int, stop: int) -> None:
+    """Copy a slice's output into its place in the whole sequence's."""
+    if layout == _SEQ:
+        whole[:, start:stop].copy_(piece)
+    else:
+        rest = whole.shape[1:]
+        whole.view(batch, -1, *rest)[:, start:stop].copy_(piece.view(batch, -1, *rest))
 
 
 class _Structure:
@@ -110,19 +112,35 @@ class _Structure:
 
 
 @dataclass
+class _Signature:
+    """What a tiled call returns for inputs of one kind, learnt at the first such call: the
+    structure, and for each tensor (the module's outputs, then the records it made) its layout,
+    its shape after the token dimensions and its dtype."""
+
+    structure: _Structure
+    layouts: list[str]
+    per_token: list[tuple[tuple[int, ...], torch.dtype]]
+    recorded: list[tuple[str, int]]  # (collector key, entry index) of the records, in order
+
+    def allocate(self, batch: int, length: int, device: torch.device) -> list[torch.Tensor]:
+        tensors = []
+        for layout, (rest, dtype) in zip(self.layouts, self.per_token, strict=True):
+            shape = (batch, length, *rest) if layout == _SEQ else (batch * length, *rest)
+            tensors.append(torch.empty(shape, dtype=dtype, device=device))
+        return tensors
+
+
+@dataclass
 class _Run:
     """One tiled call: everything the Function's backward needs to recompute a slice exactly."""
 
     forward: object
     batch: int
     bounds: list[tuple[int, int]]
-    structure: _Structure
-    layouts: list[str]  # of the MLP's tensor outputs
-    recorded: list[tuple[str, int, str]]  # (collector key, entry index, layout) of records put back
+    signature: _Signature
     rng_states: list[tuple[torch.Tensor, object]]
     autocast: list[tuple[str, bool, torch.dtype]]
-    outputs: list[torch.Tensor] | None = None  # computed before the Function, returned by it
-    differentiable: list[bool] = field(default_factory=list)
+    outputs: list[torch.Tensor] | None = None  # what the Function returns: filled before or after it
 
 
 def _autocast_state(device_type: str) -> list[tuple[str, bool, torch.dtype]]:
@@ -166,28 +184,28 @@ class _TiledMLP(torch.autograd.Function):
         ctx.parameters = parameters
         ctx.save_for_backward(x)
         outputs, run.outputs = run.outputs, None
-        ctx.mark_non_differentiable(*[o for o, d in zip(outputs, run.differentiable, strict=True) if not d])
+        ctx.mark_non_differentiable(*[o for o in outputs if not (o.is_floating_point() or o.is_complex())])
         return tuple(outputs)
 
     @staticmethod
     def backward(ctx, *grads):
         run: _Run = ctx.run
+        signature = run.signature
         (x,) = ctx.saved_tensors
         parameters = ctx.parameters
         wants_x = ctx.needs_input_grad[1]
         grad_x = torch.zeros_like(x) if wants_x else None
         sums: list[torch.Tensor | None] = [None] * len(parameters)
-        layouts = run.layouts + [layout for _key, _index, layout in run.recorded]
-        keys = list(dict.fromkeys(key for key, _index, _layout in run.recorded))
+        keys = list(dict.fromkeys(key for key, _index in signature.recorded))
         for tile, (start, stop) in enumerate(run.bounds):
             pairs = []
             with _replaying(run.rng_states[tile], x.device), torch.enable_grad(), _autocast(run.autocast):
                 leaf = x[:, start:stop].detach().requires_grad_(wants_x)
                 with collecting(keys) as records:
                     output = run.forward(leaf.clone())  # a copy: the MLP may change its input in place
-                tensors = run.structure.tensors(output)
-                tensors += [records[key][index] for key, index, _layout in run.recorded]
-                for tensor, grad, layout in zip(tensors, grads, layouts, strict=True):
+                tensors = signature.structure.tensors(output)
+                tensors += [records[key][index] for key, index in signature.recorded]
+                for tensor, grad, layout in zip(tensors, grads, signature.layouts, strict=True):
                     if grad is not None and tensor.requires_grad:
                         pairs.append((tensor, _tile_of(grad, layout, run.batch, start, stop)))
             if not pairs:
@@ -210,7 +228,12 @@ class _TiledMLP(torch.autograd.Function):
 
 def tiled_forward(self: nn.Module, *args, **kwargs):
     """The module's forward, one slice of the sequence at a time when grad is on and the sequence
-    is longer than a tile (bound to the module instance)."""
+    is longer than a tile (bound to the module instance).
+
+    Once the module has been called with inputs of this kind, the Function saves its input before
+    any slice runs and the slices fill its outputs afterwards: inside a non-reentrant checkpoint's
+    recompute, that input is the last tensor the layer saves, so PyTorch stops the recompute
+    there and the slices are computed once in forward and once in backward, as without tiling."""
     slot: _Slot = self.__dict__[STATE_ATTR]
     forward = slot.forward_of(self)
     hidden = args[0] if len(args) == 1 and not kwargs else None
@@ -222,83 +245,108 @@ def tiled_forward(self: nn.Module, *args, **kwargs):
         or not torch.is_grad_enabled()
     ):
         return forward(*args, **kwargs)
-    try:
-        run = _prepare(self, forward, hidden, slot.tile_tokens)
-    except _Untileable as reason:
-        slot.untileable = str(reason)
-        logger.warning(
-            "hf_offload: %s runs untiled: %s (sequence tiling needs a module whose outputs are per token)",
-            type(self).__name__,
-            reason,
-        )
-        return forward(*args, **kwargs)
-    parameters = [p for p in self.parameters() if p.requires_grad]
-    if not (hidden.requires_grad or parameters):
-        return run.structure.rebuild(run.outputs)  # nothing to differentiate: the slices' outputs are it
-    outputs = _TiledMLP.apply(run, hidden, *parameters)
-    main = len(run.layouts)
-    collector = active_collector()
-    for (key, _index, _layout), record in zip(run.recorded, outputs[main:], strict=True):
-        collector[key].append(record)
-    return run.structure.rebuild(list(outputs[:main]))
-
-
-def _prepare(module: nn.Module, forward, hidden: torch.Tensor, tile_tokens: int) -> _Run:
-    """Run every slice under no_grad and check that their outputs join up; the joined outputs are
-    what the Function returns. Raises _Untileable before anything is recorded when they do not."""
     batch, length = hidden.shape[:2]
-    bounds = [(start, min(start + tile_tokens, length)) for start in range(0, length, tile_tokens)]
+    bounds = [(start, min(start + slot.tile_tokens, length)) for start in range(0, length, slot.tile_tokens)]
     collector = active_collector()
-    keys = [key for key, value in (collector or {}).items() if isinstance(value, list)]
-    structure = None
-    parts: list[list[torch.Tensor]] = []
-    record_parts: dict[str, list[list[torch.Tensor]]] = {}  # key -> per record of a call, its slices
-    rng_states = []
+    keys = tuple(key for key, value in (collector or {}).items() if isinstance(value, list))
+    autocast = _autocast_state(hidden.device.type)
+    kind = (batch, tuple(hidden.shape[2:]), hidden.dtype, hidden.device, keys, tuple(autocast))
+    signature = slot.signatures.get(kind)
+    run = _Run(forward, batch, bounds, signature, [], autocast)
+    if signature is None:
+        try:
+            run.signature, run.outputs = _learn(run, hidden, collector, keys)
+        except _Untileable as reason:
+            slot.untileable = str(reason)
+            logger.warning(
+                "hf_offload: %s runs untiled: %s (sequence tiling needs a module whose outputs are per token)",
+                type(self).__name__,
+                reason,
+            )
+            return forward(*args, **kwargs)
+        slot.signatures[kind] = run.signature
+    parameters = [p for p in self.parameters() if p.requires_grad]
+    if run.outputs is None:
+        run.outputs = run.signature.allocate(batch, length, hidden.device)
+        filling = list(run.outputs)
+        if hidden.requires_grad or parameters:
+            outputs = _TiledMLP.apply(run, hidden, *parameters)  # saves the input first
+        else:
+            outputs, run.outputs = run.outputs, None
+        try:
+            _fill(run, hidden, filling, collector, keys, start=0)
+        except _Untileable as reason:
+            raise RuntimeError(
+                f"hf_offload: {type(self).__name__} under sequence tiling returned outputs unlike those of its "
+                f"earlier calls with inputs of the same shape ({reason}): its outputs are not per token"
+            ) from None
+    elif hidden.requires_grad or parameters:
+        outputs = _TiledMLP.apply(run, hidden, *parameters)
+    else:
+        outputs, run.outputs = run.outputs, None
+    main = len(run.signature.structure.tensor_positions)
+    for (key, _index), record in zip(run.signature.recorded, outputs[main:], strict=True):
+        collector[key].append(record)
+    return run.signature.structure.rebuild(list(outputs[:main]))
+
+
+def _slice(run: _Run, hidden: torch.Tensor, start: int, stop: int, collector, keys) -> tuple[object, list]:
+    """One slice under no_grad: the module's output, and the records it made (taken out of the
+    collector: one record for all tokens goes back after the Function)."""
+    run.rng_states.append(_rng_state(hidden.device))
+    before = {key: len(collector[key]) for key in keys}
+    output = run.forward(hidden[:, start:stop].clone())  # a copy: the MLP may change its input in place
+    records = []
+    for key in keys:
+        new = collector[key][before[key] :]
+        del collector[key][before[key] :]
+        records.extend((key, index, value) for index, value in enumerate(new))
+    return output, records
+
+
+def _learn(run: _Run, hidden: torch.Tensor, collector, keys) -> tuple[_Signature, list[torch.Tensor]]:
+    """The first call with inputs of this kind: the first slice shows what the module returns,
+    and every slice is checked to join up before the Function (raises _Untileable otherwise)."""
+    batch = run.batch
+    start, stop = run.bounds[0]
     with torch.no_grad():
-        for start, stop in bounds:
-            rng_states.append(_rng_state(hidden.device))
-            before = {key: len(collector[key]) for key in keys}
-            output = forward(hidden[:, start:stop].clone())  # a copy: the MLP may change its input in place
-            for key in keys:
-                # This slice's records come out: one record for all tokens goes back after the Function.
-                new = collector[key][before[key] :]
-                del collector[key][before[key] :]
-                slices = record_parts.setdefault(key, [[] for _ in new]) if start == 0 else record_parts.get(key, [])
-                if len(new) != len(slices):
-                    raise _Untileable(f"its slices recorded different numbers of {key!r}")
-                for pieces, value in zip(slices, new, strict=True):
-                    pieces.append(value)
-            if structure is None:
-                structure = _Structure(output)
-            for position, tensor in enumerate(structure.tensors(output)):
-                if len(parts) <= position:
-                    parts.append([])
-                parts[position].append(tensor)
-    layouts = [_layout(group[0], batch, bounds[0][1] - bounds[0][0]) for group in parts]
-    for group, layout in zip(parts, layouts, strict=True):
-        for piece, (start, stop) in zip(group, bounds, strict=True):
-            if _layout(piece, batch, stop - start) != layout:
-                raise _Untileable("slices returned outputs laid out differently")
-    recorded = []
-    outputs = [_join(group, layout, batch) for group, layout in zip(parts, layouts, strict=True)]
-    for key, records in record_parts.items():
-        for index, pieces in enumerate(records):
-            layout = _layout(pieces[0], batch, bounds[0][1] - bounds[0][0])
-            recorded.append((key, index, layout))
-            outputs.append(_join(pieces, layout, batch))
-    run = _Run(
-        forward=forward,
-        batch=batch,
-        bounds=bounds,
-        structure=structure,
-        layouts=layouts,
-        recorded=recorded,
-        rng_states=rng_states,
-        autocast=_autocast_state(hidden.device.type),
-        outputs=outputs,
-    )
-    run.differentiable = [tensor.is_floating_point() or tensor.is_complex() for tensor in outputs]
-    return run
+        output, records = _slice(run, hidden, start, stop, collector, keys)
+    structure = _Structure(output)
+    tensors = structure.tensors(output) + [value for _key, _index, value in records]
+    layouts = [_layout(tensor, batch, stop - start) for tensor in tensors]
+    per_token = [
+        (tuple(t.shape[2:] if layout == _SEQ else t.shape[1:]), t.dtype)
+        for t, layout in zip(tensors, layouts, strict=True)
+    ]
+    signature = _Signature(structure, layouts, per_token, [(key, index) for key, index, _value in records])
+    outputs = signature.allocate(batch, hidden.shape[1], hidden.device)
+    with torch.no_grad():
+        for whole, piece, layout in zip(outputs, tensors, layouts, strict=True):
+            _write(whole, piece, layout, batch, start, stop)
+    run.signature = signature
+    _fill(run, hidden, outputs, collector, keys, start=1)
+    return signature, outputs
+
+
+def _fill(run: _Run, hidden, outputs, collector, keys, *, start: int) -> None:
+    """Run the slices from `start` on under no_grad, writing their outputs and records into place
+    (raises _Untileable where a slice's outputs do not fit)."""
+    signature = run.signature
+    with torch.no_grad():
+        for first, stop in run.bounds[start:]:
+            output, records = _slice(run, hidden, first, stop, collector, keys)
+            if [(key, index) for key, index, _value in records] != signature.recorded:
+                raise _Untileable(f"its slices recorded different outputs ({[key for key, _i, _v in records]})")
+            tensors = signature.structure.tensors(output) + [value for _key, _index, value in records]
+            for whole, piece, layout, (rest, dtype) in zip(
+                outputs, tensors, signature.layouts, signature.per_token, strict=True
+            ):
+                expected = (run.batch, stop - first, *rest) if layout == _SEQ else (run.batch * (stop - first), *rest)
+                if tuple(piece.shape) != expected or piece.dtype != dtype:
+                    raise _Untileable(
+                        f"a slice returned {tuple(piece.shape)} {piece.dtype} where {expected} {dtype} was expected"
+                    )
+                _write(whole, piece, layout, run.batch, first, stop)
 
 
 def install(module: nn.Module, tile_tokens: int) -> None:
