@@ -416,6 +416,109 @@ def scenario_zero3() -> dict:
     return result
 
 
+TILE = 4  # tokens per slice: the tiny batches' 12 tokens run as 3 slices
+
+
+def gradient_arrivals(model: torch.nn.Module) -> tuple[Callable[[], dict], Callable[[], None]]:
+    """Counts, per parameter, how often a gradient is accumulated into it (what DDP's reducer and
+    FSDP2's post-backward react to): (read the counts of the last step, remove the hooks)."""
+    counts: dict[str, int] = {}
+
+    def arrived(name: str) -> None:
+        counts[name] = counts.get(name, 0) + 1
+
+    handles = [
+        param.register_post_accumulate_grad_hook(lambda _param, name=name: arrived(name))
+        for name, param in model.named_parameters()
+        if param.requires_grad
+    ]
+
+    def read() -> dict:
+        seen = dict(counts)
+        counts.clear()
+        return seen
+
+    return read, lambda: [handle.remove() for handle in handles]
+
+
+def scenario_tiling(wrapper: str, checkpointing: bool = False) -> dict:
+    """Sequence tiling under DDP or FSDP2: tiled and offloaded bit-identical to tiled alone (the
+    same collectives), both close to untiled training, and each parameter's gradient arriving once
+    per step, as DDP's reducer and FSDP2's reduce-scatter expect."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    untiled, tiled, offloaded = (tiny_model("llama", seed=0) for _ in range(3))
+    for model in (untiled, tiled, offloaded):
+        if checkpointing:
+            model.activation_checkpointing_enable()
+    for model in (tiled, offloaded):
+        hf_offload.enable_sequence_tiling(model, tile_tokens=TILE)
+    enable_sim(offloaded)
+
+    def wrapped(model):
+        if wrapper == "ddp":
+            return DDP(model)
+        shard(model)
+        return model
+
+    # DDP keeps the parameters, so the count reads what its reducer sees; FSDP2 swaps them for
+    # sharded ones and sets their gradients itself, so only parity speaks for it.
+    read, remove = gradient_arrivals(tiled) if wrapper == "ddp" else (dict, lambda: None)
+    arrivals = []
+    untiled_run = train(wrapped(untiled), untiled)
+    tiled_run = train(wrapped(tiled), tiled, step_fn=lambda loss: (loss.backward(), arrivals.append(read())))
+    remove()
+    with WATCH.watching(offloaded):
+        offloaded_run = train(wrapped(offloaded), offloaded)
+    result = compare(tiled_run, offloaded_run, offloaded)
+    close = [
+        torch.allclose(a[name], b[name], rtol=1e-4, atol=1e-6)
+        for a, b in zip(untiled_run[1], tiled_run[1], strict=True)
+        for name in a
+    ]
+    result.update(
+        close_to_untiled=bool(close) and all(close) and untiled_run[1][0].keys() == tiled_run[1][0].keys(),
+        untiled_losses=[float(x) for x in untiled_run[0]],
+        arrivals_per_step=[sorted(set(step.values())) for step in arrivals],
+        parameters_arrived=[len(step) for step in arrivals],
+        trainable=sum(p.requires_grad for p in tiled.parameters()),
+        tiled=hf_offload.is_sequence_tiling(tiled),
+    )
+    return result
+
+
+@contextlib.contextmanager
+def tiles_accumulated_one_by_one() -> Iterator[None]:
+    """A deliberately broken tiling that accumulates each slice's parameter gradients into .grad
+    as it goes (several arrivals per step): DDP's reducer must refuse it (the companion of the
+    tiling scenarios' one arrival per step)."""
+    from hf_offload.tiling import per_token
+
+    original = per_token._TiledMLP.backward
+
+    def backward(ctx, *grads):
+        run, (x,), parameters = ctx.run, ctx.saved_tensors, ctx.parameters
+        grad_x = torch.zeros_like(x)
+        for start, stop in run.bounds:
+            with torch.enable_grad():
+                leaf = x[:, start:stop].detach().requires_grad_(True)
+                output = run.forward(leaf.clone())
+            torch.autograd.backward(output, grads[0][:, start:stop], inputs=[leaf, *parameters])
+            grad_x[:, start:stop] = leaf.grad
+        return (None, grad_x, *[None] * len(parameters))
+
+    per_token._TiledMLP.backward = staticmethod(backward)
+    try:
+        yield
+    finally:
+        per_token._TiledMLP.backward = original
+
+
+def scenario_tiling_accumulated_per_slice() -> dict:
+    with tiles_accumulated_one_by_one():
+        return scenario_tiling("ddp")
+
+
 SCENARIOS = {
     "ddp": scenario_ddp,
     "ddp_enable_after_wrap": lambda: scenario_ddp(enable_after_wrap=True),
@@ -429,6 +532,11 @@ SCENARIOS = {
     "fsdp1_unprotected": lambda: scenario_unprotected("fsdp1"),
     "fsdp2_unprotected": lambda: scenario_unprotected("fsdp2"),
     "accelerate": scenario_accelerate,
+    "ddp_tiling": lambda: scenario_tiling("ddp"),
+    "ddp_tiling_checkpointing": lambda: scenario_tiling("ddp", checkpointing=True),
+    "fsdp2_tiling": lambda: scenario_tiling("fsdp2"),
+    "fsdp2_tiling_checkpointing": lambda: scenario_tiling("fsdp2", checkpointing=True),
+    "ddp_tiling_accumulated_per_slice": scenario_tiling_accumulated_per_slice,
 }
 OPTIONAL_SCENARIOS = {"zero3": scenario_zero3}  # run only when asked for: they need extra packages
 

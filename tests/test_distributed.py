@@ -253,3 +253,28 @@ def test_accelerate_example_under_accelerate_launch():
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     assert "processes: 2" in result.stdout
     assert "bit-identical: losses yes, final weights yes" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "scenario", ["ddp_tiling", "ddp_tiling_checkpointing", "fsdp2_tiling", "fsdp2_tiling_checkpointing"]
+)
+def test_sequence_tiling_under_ddp_and_fsdp2(runs, scenario):
+    """Sequence tiling (3 slices) under DDP and FSDP2, with and without checkpointing: with
+    offloading bit-identical to tiling alone, close to untiled training (the all-reduced or
+    reduce-scattered gradients included); under DDP every trainable parameter's gradient is
+    accumulated exactly once per step, which is what its reducer hooks onto."""
+    ranks = runs[scenario]
+    assert_parity_and_engaged(ranks)
+    for result in ranks:
+        assert result["tiled"]
+        assert result["close_to_untiled"], (result["losses"], result["untiled_losses"])
+        if scenario.startswith("ddp"):
+            assert result["arrivals_per_step"] == [[1]] * 2
+            assert result["parameters_arrived"] == [result["trainable"]] * 2
+
+
+def test_a_tiling_that_accumulated_per_slice_would_be_refused_by_ddp(runs):
+    """Companion: accumulating each slice's gradients into .grad as it goes, DDP's reducer sees a
+    parameter ready more than once and raises."""
+    for result in runs["ddp_tiling_accumulated_per_slice"]:
+        assert "error" in result and "mark a variable ready only once" in result["error"], result.get("error")
