@@ -6,7 +6,6 @@ import json
 
 import pytest
 import torch
-from transformers import LlamaConfig
 
 import hf_offload.tools.bench as bench
 from hf_offload.tools import modes
@@ -64,21 +63,10 @@ def test_a_mode_stops_at_its_first_out_of_memory(tmp_path, monkeypatch):
     assert statuses["none", 128] == "ok"
 
 
-def test_estimate_from_a_preset_and_from_a_local_config(tmp_path, capsys):
-    assert main(["estimate", "--preset", "llama-3-8b", "--seq-len", "8192"]) == 0
-    out = capsys.readouterr().out
-    assert "activations saved per layer: 1.53 GiB" in out and "hide behind compute" in out
-    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4).save_pretrained(
-        tmp_path
-    )
-    assert main(["estimate", "--model", str(tmp_path), "--seq-len", "128", "--checkpointing"]) == 0
-    assert "llama: 2 layers, hidden 64, 128 tokens per step" in capsys.readouterr().out
-
-
 @pytest.mark.parametrize(
     "argv,fragment",
     [
-        (["estimate", "--seq-len", "0"], "seq-len must be >= 1, got 0"),
+        (["estimate", "--seq-len", "0"], "seq-len must be >= 2, got 0"),
         (["estimate", "--link-gbps", "-3"], "link-gbps must be > 0, got -3.0"),
         (["estimate", "--preset", "gpt-5"], "invalid choice: 'gpt-5'"),
         (["bench", "--modes", "fast"], "invalid choice: 'fast'"),

@@ -84,6 +84,18 @@ def test_longest_sequence_fits_and_the_next_grid_step_does_not(model_dir, capsys
     assert modes["checkpointing+hf_offload"]["max_seq_len"] >= modes["checkpointing"]["max_seq_len"]
 
 
+def test_tile_simulates_sequence_tiling_with_the_slices_asked_for(model_dir, capsys):
+    """--tile adds MODE+tiled; at 2048 tokens of a 4096-word vocabulary the loss head's logits make
+    the untiled peak, and slices of 256 tokens leave a lower one; --tile-tokens is in the setup."""
+    args = ["--model", str(model_dir), "--seq-len", "2048", "--modes", "checkpointing+hf_offload", "--tile"]
+    result = estimate_json(capsys, *args, "--tile-tokens", "256", "--optimizer-states", "0")
+    modes = result["modes"]
+    assert set(modes) == {"checkpointing+hf_offload", "checkpointing+hf_offload+tiled"}
+    assert modes["checkpointing+hf_offload+tiled"]["peak_bytes"] < 0.8 * modes["checkpointing+hf_offload"]["peak_bytes"]
+    assert modes["checkpointing+hf_offload+tiled"]["flops"] > modes["checkpointing+hf_offload"]["flops"]  # recomputed
+    assert result["setup"]["tile_tokens"] == 256
+
+
 def test_text_output_names_where_the_peak_is(model_dir, capsys):
     # 2048 tokens: a layer input of 1 MiB, over min_offload_bytes.
     args = ["--model", str(model_dir), "--seq-len", "2048", "--modes", "checkpointing+hf_offload"]

@@ -167,6 +167,10 @@ def _add_estimate_command(commands: argparse._SubParsersAction) -> None:
         help="each mode also with sequence tiling: enable_sequence_tiling() with its defaults (MODE+tiled)",
     )  # fmt: skip
     estimate.add_argument(
+        "--tile-tokens", type=_int_at_least(1, "tile-tokens"), default=None, metavar="N",
+        help="the +tiled modes' tokens per slice (enable_sequence_tiling(tile_tokens=N); default: tiling's own)",
+    )  # fmt: skip
+    estimate.add_argument(
         "--lora-rank", type=_int_at_least(1, "lora-rank"), default=None, help="LoRA adapters of this rank"
     )
     estimate.add_argument(
@@ -306,6 +310,7 @@ def _run_estimate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         device=device,
         device_memory_bytes=memory,
         device_budget_bytes=None if args.max_device_gib is None else int(args.max_device_gib * 2**30),
+        tile_tokens=args.tile_tokens,
     )
     request = Request(
         config=config,

@@ -117,6 +117,7 @@ class Estimate:
                 "optimizer_states": training.optimizer_states,
                 "device": training.device.name,
                 "host_memory_bytes": training.host_memory_bytes,
+                "tile_tokens": training.tile_tokens,
                 "simulated": True,
             },
             "modes": modes,
@@ -232,7 +233,7 @@ def format_estimate(estimate: Estimate, *, device_given: bool) -> str:
         )
     lines.append(
         "(peak: allocated device bytes, what torch.cuda.max_memory_allocated reports; host: hf_offload's pinned "
-        "pool; moved: bytes offloaded per step; TFLOP: flop_counter's count, attention over the full square)"
+        f"pool; moved: bytes offloaded per step; {flop_unit}: flop_counter's count, attention over the full square)"
     )
     for entry in estimate.modes:
         lines.append("")
@@ -261,9 +262,10 @@ def _setup_line(request: Request) -> str:
     optimizer = "AdamW step" if training.optimizer_states else "no optimizer step (forward and backward)"
     host_bytes = training.host_memory_bytes
     host = "unlimited host memory" if host_bytes is None else f"{size(host_bytes)} of host memory"
+    tiles = "" if training.tile_tokens is None else f", {training.tile_tokens} tokens per tiled slice"
     return (
         f"{request.name}: {tuning}, {dtype}, batch {training.batch_size} x {request.seq_len} tokens, {optimizer}, "
-        f"{host}; simulated on the meta device (the real step, without data: transformers, PEFT, checkpointing, "
+        f"{host}{tiles}; simulated on the meta device (the real step, without data: transformers, PEFT, checkpointing, "
         "hf_offload's engine, the loss)"
     )
 

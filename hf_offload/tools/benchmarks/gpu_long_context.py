@@ -49,6 +49,15 @@ MODES = (
     "checkpointing+hf_offload+liger",
 )
 OURS = "checkpointing+hf_offload+liger"
+# Sequence tiling, at lengths where it tiles: the same stack untiled and tiled (the time targets),
+# and tiling with its own loss head in place of Liger's.
+TILING_MODES = (
+    "checkpointing+hf_offload+liger",
+    "checkpointing+hf_offload+liger+tiled",
+    "checkpointing+hf_offload+tiled",
+)
+TILING_TIME_LIMITS = (1.10, 1.05)  # tiled / untiled step time, at the first and the second length
+STAGES = ("peaks", "tiling", "tests")
 EIGHTY_GB = int(DEVICES["h100-80gb"].memory_gib * 2**30)  # what an 80 GB GPU leaves usable (estimate's preset)
 
 
@@ -146,6 +155,36 @@ def targets_table(results: list[MaxSeq], *, budget: int, granularity: int) -> st
     return "\n".join(lines)
 
 
+def _measured_budgets(budgets: dict[str, int | None], results: list[MaxSeq], device) -> dict[str, int]:
+    """This GPU's budget, as the runs read it, in place of its placeholder; budgets without a figure go."""
+    budgets = dict(budgets)
+    first = next(iter(budgets))
+    if device.type == "cuda" and budgets[first] is None:
+        budgets[first] = next((r.budget_bytes for r in results if r.budget_bytes), None)
+    return {name: budget for name, budget in budgets.items() if budget}
+
+
+def tiling_table(results: list[MaxSeq], *, untiled: str, tiled: str, limits=TILING_TIME_LIMITS) -> str:
+    """Tiling's cost in step time: tiled / untiled, the same stack at the same length, against its
+    limit at each length."""
+    found = _by_mode(results)
+    lines = ["| length | untiled step s | tiled step s | tiled / untiled | limit | verdict |", "|---|---|---|---|---|---|"]
+    before, after = found.get(untiled), found.get(tiled)
+    for index, limit in enumerate(limits):
+        pair = [r.probes[index] if r is not None and len(r.probes) > index else None for r in (before, after)]
+        if any(p is None or p.status != "ok" or not p.step_seconds for p in pair):
+            length = next((p.seq_len for p in pair if p is not None), "-")
+            lines.append(f"| {length} | - | - | not measured | <= {limit:.2f}x | - |")
+            continue
+        ratio = pair[1].step_seconds / pair[0].step_seconds
+        verdict = "met" if ratio <= limit else "MISSED"
+        lines.append(
+            f"| {pair[0].seq_len} | {pair[0].step_seconds:.2f} | {pair[1].step_seconds:.2f} | {ratio:.3f}x | "
+            f"<= {limit:.2f}x | {verdict} |"
+        )
+    return "\n".join(lines)
+
+
 def run_tests(device: torch.device) -> int:
     if device.type != "cuda":
         print("GPU tests: skipped (no CUDA device)")
@@ -159,16 +198,22 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs=2, default=None, help="the slope's two lengths (4096 8192)")
     parser.add_argument("--granularity", type=int, default=1024)
-    parser.add_argument("--skip-tests", action="store_true")
+    parser.add_argument(
+        "--tiling-lengths", type=int, nargs=2, default=None, help="the tiling stage's two lengths (32768 131072)"
+    )
+    parser.add_argument("--stages", nargs="+", choices=STAGES, default=list(STAGES), help="default: all three")
+    parser.add_argument("--skip-tests", action="store_true", help="the same as leaving 'tests' out of --stages")
     parser.add_argument("--cpu-smoke", action="store_true", help="run every stage on the CPU (tiny model)")
     args = parser.parse_args(argv)
     if args.cpu_smoke:
         device, dtype, preset = torch.device("cpu"), torch.float32, "tiny"
         lengths, memory_limit = tuple(args.lengths or (1024, 2048)), 2**28
+        tiling_lengths = tuple(args.tiling_lengths or (1024, 2048))
         budgets = {"the CPU limit (256 MiB of byte accounting)": memory_limit}
     elif torch.cuda.is_available():
         device, dtype, preset = torch.device("cuda"), torch.bfloat16, "llama-3-8b"
         lengths, memory_limit = tuple(args.lengths or (4096, 8192)), None
+        tiling_lengths = tuple(args.tiling_lengths or (32768, 131072))
         budgets = {f"this {torch.cuda.get_device_name()}": None, "an 80 GB GPU": EIGHTY_GB}
     else:
         print("no CUDA device: this check needs one (--cpu-smoke checks the script on the CPU)")
@@ -183,33 +228,36 @@ def main(argv=None) -> int:
     from peft import LoraConfig, get_peft_model
 
     model = get_peft_model(model, LoraConfig(r=16, target_modules="all-linear"))
-    print(f"\n== 1. peaks at {lengths[0]} and {lengths[1]} tokens ({time.perf_counter() - started:.0f} s in) ==")
-    results = max_seq(
-        model,
-        modes=list(MODES),
-        device=device,
-        method="slope",
-        slope_lens=lengths,
-        granularity=args.granularity,
-        steps=1,
-        memory_limit=memory_limit,
-    )
-    print(max_seq_table(results, device=device))
-    if device.type == "cuda":
-        budgets[next(iter(budgets))] = next((r.budget_bytes for r in results if r.budget_bytes), None)
-    budgets = {name: budget for name, budget in budgets.items() if budget}
-    print()
-    print(predictions_table(results, budgets=budgets, granularity=args.granularity))
-    print("\nthe simulator beside the measurement (hf-offload estimate, the same setup on the meta device):")
-    print(simulated_table(results, simulator_for(model, device=device), budgets=budgets, granularity=args.granularity))
-    print(f"\n== 2. targets, on {next(iter(budgets))} ==")
-    print(targets_table(results, budget=next(iter(budgets.values())), granularity=args.granularity))
+    stages = [stage for stage in args.stages if not (stage == "tests" and args.skip_tests)]
+    simulator = simulator_for(model, device=device)
+    measure = dict(device=device, method="slope", granularity=args.granularity, steps=1, memory_limit=memory_limit)
+    if "peaks" in stages:
+        print(f"\n== 1. peaks at {lengths[0]} and {lengths[1]} tokens ({time.perf_counter() - started:.0f} s in) ==")
+        results = max_seq(model, modes=list(MODES), slope_lens=lengths, **measure)
+        print(max_seq_table(results, device=device))
+        budgets = _measured_budgets(budgets, results, device)
+        print()
+        print(predictions_table(results, budgets=budgets, granularity=args.granularity))
+        print("\nthe simulator beside the measurement (hf-offload estimate, the same setup on the meta device):")
+        print(simulated_table(results, simulator, budgets=budgets, granularity=args.granularity))
+        print(f"\n== 2. targets, on {next(iter(budgets))} ==")
+        print(targets_table(results, budget=next(iter(budgets.values())), granularity=args.granularity))
+    if "tiling" in stages:
+        first, second = tiling_lengths
+        print(f"\n== 3. sequence tiling at {first} and {second} tokens ({time.perf_counter() - started:.0f} s in) ==")
+        results = max_seq(model, modes=list(TILING_MODES), slope_lens=tiling_lengths, **measure)
+        print(max_seq_table(results, device=device))
+        budgets = _measured_budgets(budgets, results, device)
+        print("\nthe simulator beside the measurement, and the longest sequence from these two lengths:")
+        print(simulated_table(results, simulator, budgets=budgets, granularity=args.granularity))
+        print(f"\ntiling's cost in step time ({TILING_MODES[1]} against {TILING_MODES[0]}):")
+        print(tiling_table(results, untiled=TILING_MODES[0], tiled=TILING_MODES[1]))
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()
     status = 0
-    if not args.skip_tests:
-        print(f"\n== 3. GPU tests ({time.perf_counter() - started:.0f} s in) ==", flush=True)
+    if "tests" in stages:
+        print(f"\n== 4. GPU tests ({time.perf_counter() - started:.0f} s in) ==", flush=True)
         status = run_tests(device)
     print(f"\n== done in {time.perf_counter() - started:.0f} s, exit status {status} ==")
     return status
