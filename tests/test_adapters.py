@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import registry_models
 import torch
 from conftest import TINY_CONFIGS, assert_same_step, batch, enable_sim, tiny_model, train_step, twin
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -108,3 +109,52 @@ def test_user_registered_adapter_is_used():
         assert model.activation_offloading_stats().layers_offloaded == 2
     finally:
         hf_offload.unregister_adapter("qwen3")
+
+
+# Decoders whose layers transformers leaves plain modules, not GradientCheckpointingLayers: where
+# the generic fallback finds them (the one list of one class, as long as the configured layer count).
+PLAIN_STACKS = {
+    "ctrl": "transformer.h",
+    "openai-gpt": "transformer.h",
+    "gpt_neox_japanese": "gpt_neox_japanese.layers",
+    "cpmant": "cpmant.encoder.layers",
+    "xlnet": "transformer.layer",
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(PLAIN_STACKS))
+def test_generic_fallback_finds_plain_decoder_stacks(model_type):
+    model = registry_models.tiny_model(model_type)
+    adapter, layers = resolve_layers(model)
+    assert adapter == "generic"
+    assert layers == list(model.get_submodule(PLAIN_STACKS[model_type]))
+    assert len(layers) == model.config.num_hidden_layers == registry_models.LAYERS
+
+
+def test_offloading_a_plain_decoder_stack_is_bit_identical():
+    plain = registry_models.tiny_model("openai-gpt")
+    model = twin(plain)
+    enable_sim(model)
+    assert_same_step(plain, model, batch())
+    assert model.activation_offloading_stats().offloaded_tensors > 0
+
+
+def test_several_decoder_stacks_are_named_with_how_to_concatenate_them():
+    model = registry_models.tiny_model("hrm_text")  # a low- and a high-level stack, run in cycles
+    with pytest.raises(UnsupportedModelError) as raised:
+        hf_offload.enable_activation_offloading(model)
+    message = str(raised.value)
+    assert "HrmTextForCausalLM" in message and "model_type='hrm_text'" in message
+    assert "model.L_module.layers, model.H_module.layers" in message
+    assert "lambda model: model.<path>.layers" in message  # the advice for one stack stays
+    assert "concatenated in forward order" in message
+    assert "lambda model: [*model.<a>.layers, *model.<b>.layers]" in message
+
+
+def test_several_plain_lists_of_the_layer_count_are_refused_by_name():
+    model = registry_models.tiny_model("xlm")  # per-layer parts in parallel lists, no module per layer
+    with pytest.raises(UnsupportedModelError) as raised:
+        resolve_layers(model)
+    message = str(raised.value)
+    assert "lists of GradientCheckpointingLayer found: none" in message
+    assert "lists of 2 modules of one class (the configured layer count): transformer.attentions" in message

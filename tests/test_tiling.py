@@ -169,6 +169,39 @@ def test_without_replaying_the_random_state_the_masks_would_differ(monkeypatch):
         assert_close(seeded_step(reference), seeded_step(tiled), **FLOAT64)
 
 
+def doubling_mlps(model):
+    """Each MLP doubles its input in place before computing (legal in autograd here: nothing
+    saved it); a tiling that handed the MLP views of its saved input would double that too."""
+    for layer in model.model.layers:
+        forward = layer.mlp.forward
+        layer.mlp.forward = lambda x, forward=forward: forward(x.mul_(2))
+    return model
+
+
+def test_a_module_that_changes_its_input_in_place_gets_copies():
+    plain, tiled = doubling_mlps(build("llama")), doubling_mlps(build("llama"))  # one seed: the same weights
+    hf_offload.enable_sequence_tiling(tiled, tile_tokens=TILE, norms=False, projections=False, loss=False)
+    inputs = ids(batch=1)  # one row: a slice is contiguous, so only the copy protects it
+    assert_close(step(plain, inputs), step(tiled, inputs), **FLOAT64)
+
+
+def test_handed_views_such_a_module_would_corrupt_its_saved_input(monkeypatch):
+    """Companion: with the learnt 'changes its input' forced off, the forward doubles the saved
+    input's slices and the recompute's in-place change of its slice is refused by autograd."""
+    plain, tiled = doubling_mlps(build("llama")), doubling_mlps(build("llama"))
+    hf_offload.enable_sequence_tiling(tiled, tile_tokens=TILE, norms=False, projections=False, loss=False)
+    original = per_token._Signature.__init__
+
+    def never_changes(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.changes_its_input = False
+
+    monkeypatch.setattr(per_token._Signature, "__init__", never_changes)
+    inputs = ids(batch=1)
+    with pytest.raises((AssertionError, RuntimeError), match="in-place operation|not close"):
+        assert_close(step(plain, inputs), step(tiled, inputs), **FLOAT64)
+
+
 # -- what is saved, and what is not tiled ----------------------------------------------------------
 
 

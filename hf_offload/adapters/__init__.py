@@ -31,7 +31,7 @@ def register_adapter(model_type: str, find_layers: FindLayers, find_mlp: FindMLP
 
     `find_layers(model)` must return the decoder layers in forward order. `find_mlp(layer)`, for
     sequence tiling, returns a decoder layer's per-token MLP (or None); without it the generic
-    finder looks for a child named mlp, feed_forward, block_sparse_moe, ffn or mlp_block.
+    finder looks for a child named mlp, feed_forward, block_sparse_moe, ffn, mlp_block or shared_mlp.
     Registering a key twice is an error.
     """
     if not isinstance(model_type, str) or not model_type.strip():

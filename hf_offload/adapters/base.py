@@ -116,8 +116,9 @@ def layers_of_class(*class_names: str) -> FindLayers:
 
 # What decoder layers call their per-token feed-forward block, in the order they are looked for
 # (transformers 5.x: `mlp` in most families, `feed_forward` in Llama 4, Jamba and others,
-# `block_sparse_moe` in Granite MoE, `ffn` in DBRX and MPT, `mlp_block` in RecurrentGemma).
-MLP_NAMES = ("mlp", "feed_forward", "block_sparse_moe", "ffn", "mlp_block")
+# `block_sparse_moe` in Granite MoE, `ffn` in DBRX and MPT, `mlp_block` in RecurrentGemma,
+# `shared_mlp` in Granite MoE hybrid's layers without experts).
+MLP_NAMES = ("mlp", "feed_forward", "block_sparse_moe", "ffn", "mlp_block", "shared_mlp")
 # Feed-forward blocks that mix tokens, so that a slice of the sequence is not computed from its
 # own tokens alone: RWKV's shifts to the previous token, Doge's CDMoE reshapes across tokens.
 TOKEN_MIXING = frozenset({"RwkvFeedForward", "DogeCDMoE"})
@@ -138,9 +139,14 @@ ATTENTION_NAMES = ("self_attn", "attention", "attn", "self_attention")
 
 
 def find_norms(layer: nn.Module) -> list[nn.Module]:
-    """A decoder layer's own normalisations (RMSNorm, LayerNorm: per token, over the hidden size)."""
+    """A decoder layer's own normalisations (RMSNorm, LayerNorm: per token, over the hidden size),
+    by class: torch's, or a class whose name ends in Norm (LlamaRMSNorm, not RobertaPreLayerNormAttention)."""
     children = innermost(layer)._modules.values()
-    return [module for module in children if module is not None and "Norm" in type(module).__name__]
+    return [
+        module
+        for module in children
+        if isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith("Norm")
+    ]
 
 
 def find_attention(layer: nn.Module) -> nn.Module | None:

@@ -156,7 +156,7 @@ class _TiledLoss(torch.autograd.Function):
         (hidden,) = ctx.saved_tensors
         parameters = ctx.parameters
         wants_hidden = ctx.needs_input_grad[1]
-        grad_hidden = torch.zeros_like(hidden) if wants_hidden else None
+        grad_hidden = torch.empty_like(hidden) if wants_hidden else None  # every slice writes its part
         sums: list[torch.Tensor | None] = [None] * len(parameters)
         for start, stop in run.bounds:
             with torch.enable_grad():
@@ -166,8 +166,11 @@ class _TiledLoss(torch.autograd.Function):
             inputs = ([leaf] if wants_hidden else []) + list(parameters)
             found = torch.autograd.grad(loss, inputs, grad_loss, allow_unused=True)
             del logits, loss
-            if wants_hidden and found[0] is not None:
-                grad_hidden[:, start:stop] = found[0]
+            if wants_hidden:
+                if found[0] is None:
+                    grad_hidden[:, start:stop].zero_()
+                else:
+                    grad_hidden[:, start:stop] = found[0]
             for index, grad in enumerate(found[1:] if wants_hidden else found):
                 if grad is not None:
                     sums[index] = grad if sums[index] is None else sums[index].add_(grad)

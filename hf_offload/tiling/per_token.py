@@ -121,6 +121,11 @@ class _Signature:
     layouts: list[str]
     per_token: list[tuple[tuple[int, ...], torch.dtype]]
     recorded: list[tuple[str, int]]  # (collector key, entry index) of the records, in order
+    changes_its_input: bool  # then every slice gets a copy; else a view (copied only to be contiguous)
+
+    def slice_of(self, hidden: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        piece = hidden[:, start:stop]
+        return piece.clone() if self.changes_its_input else piece.contiguous()
 
     def allocate(self, batch: int, length: int, device: torch.device) -> list[torch.Tensor]:
         tensors = []
@@ -194,7 +199,7 @@ class _TiledMLP(torch.autograd.Function):
         (x,) = ctx.saved_tensors
         parameters = ctx.parameters
         wants_x = ctx.needs_input_grad[1]
-        grad_x = torch.zeros_like(x) if wants_x else None
+        grad_x = torch.empty_like(x) if wants_x else None  # every slice writes its part
         sums: list[torch.Tensor | None] = [None] * len(parameters)
         keys = list(dict.fromkeys(key for key, _index in signature.recorded))
         for tile, (start, stop) in enumerate(run.bounds):
@@ -202,20 +207,23 @@ class _TiledMLP(torch.autograd.Function):
             with _replaying(run.rng_states[tile], x.device), torch.enable_grad(), _autocast(run.autocast):
                 leaf = x[:, start:stop].detach().requires_grad_(wants_x)
                 with collecting(keys) as records:
-                    output = run.forward(leaf.clone())  # a copy: the MLP may change its input in place
+                    output = run.forward(signature.slice_of(leaf, 0, stop - start))
                 tensors = signature.structure.tensors(output)
                 tensors += [records[key][index] for key, index in signature.recorded]
                 for tensor, grad, layout in zip(tensors, grads, signature.layouts, strict=True):
                     if grad is not None and tensor.requires_grad:
                         pairs.append((tensor, _tile_of(grad, layout, run.batch, start, stop)))
-            if not pairs:
-                continue
             inputs = ([leaf] if wants_x else []) + list(parameters)
-            found = torch.autograd.grad(
-                [tensor for tensor, _ in pairs], inputs, [grad for _, grad in pairs], allow_unused=True
-            )
-            if wants_x and found[0] is not None:
-                grad_x[:, start:stop] = found[0]
+            found = [None] * len(inputs)
+            if pairs:
+                found = torch.autograd.grad(
+                    [tensor for tensor, _ in pairs], inputs, [grad for _, grad in pairs], allow_unused=True
+                )
+            if wants_x:
+                if found[0] is None:
+                    grad_x[:, start:stop].zero_()
+                else:
+                    grad_x[:, start:stop] = found[0]
             for index, grad in enumerate(found[1:] if wants_x else found):
                 if grad is None:
                     continue
@@ -235,8 +243,8 @@ def tiled_forward(self: nn.Module, *args, **kwargs):
     recompute, that input is the last tensor the layer saves, so PyTorch stops the recompute
     there and the slices are computed once in forward and once in backward, as without tiling."""
     slot: _Slot = self.__dict__[STATE_ATTR]
-    forward = slot.forward_of(self)
-    hidden = args[0] if len(args) == 1 and not kwargs else None
+    own_forward = slot.forward_of(self)
+    hidden = args[0] if args else None
     if (
         slot.untileable is not None
         or not isinstance(hidden, torch.Tensor)
@@ -244,13 +252,22 @@ def tiled_forward(self: nn.Module, *args, **kwargs):
         or hidden.shape[1] <= slot.tile_tokens
         or not torch.is_grad_enabled()
     ):
-        return forward(*args, **kwargs)
+        return own_forward(*args, **kwargs)
+    rest = args[1:]
+    if any(isinstance(value, torch.Tensor) for value in (*rest, *kwargs.values())):
+        # Bloom's and MPT's MLPs take the residual, DeepSeek-V4's the input ids: tensors the slices
+        # would need their parts of, and gradients for.
+        slot.untileable = "it takes tensors besides the hidden states"
+        logger.warning("hf_offload: %s runs untiled: %s", type(self).__name__, slot.untileable)
+        return own_forward(*args, **kwargs)
+    forward = own_forward if not (rest or kwargs) else lambda piece: own_forward(piece, *rest, **kwargs)
     batch, length = hidden.shape[:2]
     bounds = [(start, min(start + slot.tile_tokens, length)) for start in range(0, length, slot.tile_tokens)]
     collector = active_collector()
     keys = tuple(key for key, value in (collector or {}).items() if isinstance(value, list))
     autocast = _autocast_state(hidden.device.type)
-    kind = (batch, tuple(hidden.shape[2:]), hidden.dtype, hidden.device, keys, tuple(autocast))
+    constants = (tuple(map(repr, rest)), tuple((key, repr(value)) for key, value in sorted(kwargs.items())))
+    kind = (batch, tuple(hidden.shape[2:]), hidden.dtype, hidden.device, keys, tuple(autocast), constants)
     signature = slot.signatures.get(kind)
     run = _Run(forward, batch, bounds, signature, [], autocast)
     if signature is None:
@@ -263,7 +280,7 @@ def tiled_forward(self: nn.Module, *args, **kwargs):
                 type(self).__name__,
                 reason,
             )
-            return forward(*args, **kwargs)
+            return own_forward(*args, **kwargs)
         slot.signatures[kind] = run.signature
     parameters = [p for p in self.parameters() if p.requires_grad]
     if run.outputs is None:
@@ -290,12 +307,12 @@ def tiled_forward(self: nn.Module, *args, **kwargs):
     return run.signature.structure.rebuild(list(outputs[:main]))
 
 
-def _slice(run: _Run, hidden: torch.Tensor, start: int, stop: int, collector, keys) -> tuple[object, list]:
+def _slice(run: _Run, piece: torch.Tensor, collector, keys) -> tuple[object, list]:
     """One slice under no_grad: the module's output, and the records it made (taken out of the
     collector: one record for all tokens goes back after the Function)."""
-    run.rng_states.append(_rng_state(hidden.device))
+    run.rng_states.append(_rng_state(piece.device))
     before = {key: len(collector[key]) for key in keys}
-    output = run.forward(hidden[:, start:stop].clone())  # a copy: the MLP may change its input in place
+    output = run.forward(piece)
     records = []
     for key in keys:
         new = collector[key][before[key] :]
@@ -309,8 +326,10 @@ def _learn(run: _Run, hidden: torch.Tensor, collector, keys) -> tuple[_Signature
     and every slice is checked to join up before the Function (raises _Untileable otherwise)."""
     batch = run.batch
     start, stop = run.bounds[0]
+    probe = hidden[:, start:stop].clone()  # a copy: whether the module changes its input in place shows on it
+    version = probe._version
     with torch.no_grad():
-        output, records = _slice(run, hidden, start, stop, collector, keys)
+        output, records = _slice(run, probe, collector, keys)
     structure = _Structure(output)
     tensors = structure.tensors(output) + [value for _key, _index, value in records]
     layouts = [_layout(tensor, batch, stop - start) for tensor in tensors]
@@ -318,7 +337,8 @@ def _learn(run: _Run, hidden: torch.Tensor, collector, keys) -> tuple[_Signature
         (tuple(t.shape[2:] if layout == _SEQ else t.shape[1:]), t.dtype)
         for t, layout in zip(tensors, layouts, strict=True)
     ]
-    signature = _Signature(structure, layouts, per_token, [(key, index) for key, index, _value in records])
+    recorded = [(key, index) for key, index, _value in records]
+    signature = _Signature(structure, layouts, per_token, recorded, changes_its_input=probe._version != version)
     outputs = signature.allocate(batch, hidden.shape[1], hidden.device)
     with torch.no_grad():
         for whole, piece, layout in zip(outputs, tensors, layouts, strict=True):
@@ -334,7 +354,7 @@ def _fill(run: _Run, hidden, outputs, collector, keys, *, start: int) -> None:
     signature = run.signature
     with torch.no_grad():
         for first, stop in run.bounds[start:]:
-            output, records = _slice(run, hidden, first, stop, collector, keys)
+            output, records = _slice(run, signature.slice_of(hidden, first, stop), collector, keys)
             if [(key, index) for key, index, _value in records] != signature.recorded:
                 raise _Untileable(f"its slices recorded different outputs ({[key for key, _i, _v in records]})")
             tensors = signature.structure.tensors(output) + [value for _key, _index, value in records]

@@ -168,7 +168,7 @@ def tiling_table(results: list[MaxSeq], *, untiled: str, tiled: str, limits=TILI
     """Tiling's cost in step time: tiled / untiled, the same stack at the same length, against its
     limit at each length."""
     found = _by_mode(results)
-    lines = ["| length | untiled step s | tiled step s | tiled / untiled | limit | verdict |", "|---|---|---|---|---|---|"]
+    lines = ["| length | untiled step s | tiled step s | tiled / untiled | limit | verdict |", "|---" * 6 + "|"]
     before, after = found.get(untiled), found.get(tiled)
     for index, limit in enumerate(limits):
         pair = [r.probes[index] if r is not None and len(r.probes) > index else None for r in (before, after)]

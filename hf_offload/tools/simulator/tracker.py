@@ -37,9 +37,10 @@ _FLASH_BACKWARD = aten._scaled_dot_product_flash_attention_backward.default
 # Ops whose outputs share an input's storage without being marked as views.
 _NEVER_CACHED = frozenset({aten._unsafe_view.default, aten.lift_fresh.default, aten.alias.default})
 _NO_TRAFFIC = frozenset(
-    {aten.empty.memory_format, aten.empty_strided.default, aten.set_.source_Storage,
-     aten.set_.source_Storage_storage_offset, aten._unsafe_view.default, aten.lift_fresh.default}
-)  # fmt: skip
+    {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default, aten.new_empty.default,
+     aten.new_empty_strided.default, aten.set_.source_Storage, aten.set_.source_Storage_storage_offset,
+     aten._unsafe_view.default, aten.lift_fresh.default}
+)  # fmt: skip  (allocations without writes, and metadata)
 
 
 def flash_backward_workspace_bytes(query: torch.Tensor, key: torch.Tensor) -> int:

@@ -1,0 +1,259 @@
+"""Every causal-LM type transformers registers (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES), as a tiny model
+with random weights (tests/registry_models.py), for one training step each: offloading is
+bit-identical and offloads something, with and without gradient checkpointing; sequence tiling is
+close to untiled training, with every layer's MLP found and run slice by slice.
+
+What does not hold for a type is listed here with the reason, and the sweep checks that it still
+fails or differs in the way stated: when transformers or hf_offload changes, the lists must too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+from collections.abc import Iterator
+
+import pytest
+import torch
+from conftest import assert_bit_identical, enable_sim, twin
+from registry_models import inputs, tiny_model
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+import hf_offload
+from hf_offload.adapters import UnsupportedModelError, resolve_layers, resolve_mlps
+from hf_offload.adapters.base import TOKEN_MIXING, innermost
+
+SEQ, TILE, BATCH = 32, 8, 2
+# Tiling sums each parameter's gradient over 4 slices instead of in one matmul over 64 tokens, and
+# its matmuls block differently: float32 rounding moves by a few ulps per sum (about 1e-7 relative),
+# far inside these.
+CLOSE = dict(rtol=1e-4, atol=1e-6)
+
+CAUSAL_LM_TYPES = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+# Types no tiny model here trains: (exception, message pattern, why).
+_DRAFTER = (
+    ValueError,
+    "inputs_embeds and shared_kv_states cannot be None",
+    "a drafter for speculative decoding: it runs on the target model's embeddings and key/value states, not tokens",
+)
+UNTRAINABLE = {
+    "gemma3n": (
+        ImportError,
+        "requires the timm library",
+        "its vision tower is a timm model and timm is not installed (its text model is swept as gemma3n_text)",
+    ),
+    "gemma4_assistant": _DRAFTER,
+    "gemma4_unified_assistant": _DRAFTER,
+    "xlm": (
+        UnsupportedModelError,
+        r"transformer\.attentions, transformer\.layer_norm1, transformer\.ffns",
+        "no module per layer to wrap: XLM keeps its layers' attentions, norms and feed-forwards in parallel lists",
+    ),
+}
+SWEPT = [model_type for model_type in CAUSAL_LM_TYPES if model_type not in UNTRAINABLE]
+
+# Several stacks of GradientCheckpointingLayers, which the generic fallback refuses: swept with the
+# adapter its error message suggests.
+STACKS = {
+    "blt": lambda model: [
+        *model.model.local_encoder.layers,
+        *model.model.global_transformer.layers,
+        *model.model.local_decoder.layers,
+    ],  # its entropy patcher's layers run without grad
+    "git": lambda model: list(model.git.encoder.layer),  # the text layers; the vision tower's run first
+    "hrm_text": lambda model: [*model.model.L_module.layers, *model.model.H_module.layers],  # each runs in cycles
+}
+
+# Layers that save nothing for backward.
+OFFLOADS_NOTHING = {"reformer": "reversible layers: backward recomputes each layer from the next one's output"}
+
+# Layers with a per-token MLP that resolve_mlps does not find (its names are base.MLP_NAMES): where it is.
+MLP_ELSEWHERE = {
+    "nemotron_h": "mixer",  # one block class whose mixer is Mamba, attention, an MLP or an MoE by block type
+    "xlnet": "ff",
+    "zamba": "shared_transf.feed_forward",  # one block shared by the hybrid layers
+    "zamba2": "shared_transformer.feed_forward",
+}
+# MLPs found but run whole: tiling slices a module called with the hidden states alone.
+RUNS_WHOLE = {
+    "bloom": "called as mlp(hidden_states, residual)",
+    "mpt": "called as ffn(hidden_states, residual)",
+    "deepseek_v4": "called as mlp(hidden_states, input_ids=input_ids) (hash-routed layers route by token id)",
+}
+# Called with the previous layer's router states, None in the first layer: only that one runs sliced.
+SLICED_IN_THE_FIRST_LAYER_ONLY = {"zaya": "called as mlp(hidden_states, prev_router_hidden_states)"}
+# Types transformers does not checkpoint (their supports_gradient_checkpointing is False).
+NO_CHECKPOINTING = {
+    model_type: "transformers refuses: supports_gradient_checkpointing = False"
+    for model_type in ("cpmant", "ctrl", "gpt_neox_japanese", "jetmoe", "openai-gpt", "reformer", "xlnet")
+}
+# What decoder layers' MLP classes are called, to tell which layers have one.
+MLP_CLASS = re.compile(r"(MLP|Mlp|FeedForward|FFN|Ffn|MoE|Moe|MoeBlock|SparseBlock)$")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Tiny models: one thread is faster than two that sync at every op, above all on shared cores.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def quiet():
+    # Tiny configs trip many of transformers' warnings (vocabulary, kernels falling back).
+    logger = logging.getLogger("transformers")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    yield
+    logger.setLevel(level)
+
+
+def step(model: torch.nn.Module) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One training step on the same batch, from the same random state: (loss, gradients)."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(0)
+    loss = model(**inputs(model, BATCH, SEQ)).loss
+    loss.backward()
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+@contextlib.contextmanager
+def adapter_for(model_type: str) -> Iterator[None]:
+    if model_type not in STACKS:
+        yield
+        return
+    with pytest.raises(UnsupportedModelError, match=r"concatenated in forward order"):
+        resolve_layers(tiny_model(model_type))
+    hf_offload.register_adapter(model_type, STACKS[model_type])
+    try:
+        yield
+    finally:
+        hf_offload.unregister_adapter(model_type)
+
+
+def mlp_children(layer: torch.nn.Module) -> list[torch.nn.Module]:
+    return [
+        child
+        for child in innermost(layer).children()
+        if MLP_CLASS.search(type(child).__name__) and type(child).__name__ not in TOKEN_MIXING
+    ]
+
+
+def check_mlps_found(model_type: str, model: torch.nn.Module) -> list[torch.nn.Module]:
+    """resolve_mlps finds an MLP in each layer that has one (as its class is named), except where
+    MLP_ELSEWHERE says; returns those found."""
+    _, layers = resolve_layers(model)
+    found = resolve_mlps(model)
+    if model_type in MLP_ELSEWHERE:
+        assert found == [None] * len(layers)
+        elsewhere = [
+            layer.get_submodule(MLP_ELSEWHERE[model_type])
+            for layer in layers
+            if has_submodule(layer, MLP_ELSEWHERE[model_type])
+        ]
+        assert any(MLP_CLASS.search(type(module).__name__) for module in elsewhere), "no MLP where MLP_ELSEWHERE says"
+        return []
+    missed = [
+        index
+        for index, (layer, mlp) in enumerate(zip(layers, found, strict=True))
+        if mlp_children(layer) and mlp is None
+    ]
+    assert not missed, f"layers {missed} have an MLP that resolve_mlps does not find"
+    return [mlp for mlp in found if mlp is not None]
+
+
+def has_submodule(layer: torch.nn.Module, path: str) -> bool:
+    try:
+        layer.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def counting_calls(mlps: list[torch.nn.Module]) -> Iterator[list[int]]:
+    """Per MLP, how many times the modules inside it run: a tiled MLP runs them once per slice."""
+    counts = [0] * len(mlps)
+    handles = []
+    for index, mlp in enumerate(mlps):
+        for module in mlp.modules():
+            if module is not mlp:
+                handles.append(
+                    module.register_forward_pre_hook(lambda *_, i=index: counts.__setitem__(i, counts[i] + 1))
+                )
+    try:
+        yield counts
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def assert_same(expected: tuple, actual: tuple) -> None:
+    assert torch.equal(expected[0], actual[0]), "losses differ"
+    assert_bit_identical(expected[1], actual[1])
+
+
+def assert_offloaded_something(model_type: str, model: torch.nn.Module) -> None:
+    offloaded = model.activation_offloading_stats().offloaded_tensors
+    assert offloaded == 0 if model_type in OFFLOADS_NOTHING else offloaded > 0
+
+
+def assert_close(expected: tuple, actual: tuple) -> None:
+    torch.testing.assert_close(actual[0], expected[0], **CLOSE)
+    assert actual[1].keys() == expected[1].keys()
+    for name in expected[1]:
+        torch.testing.assert_close(actual[1][name], expected[1][name], **CLOSE, msg=name)
+
+
+@pytest.mark.parametrize("model_type", SWEPT)
+def test_offloading_is_exact_and_tiling_close(model_type):
+    with adapter_for(model_type):
+        plain = tiny_model(model_type)
+        offloaded, tiled = twin(plain), twin(plain)
+        plain_mlps = check_mlps_found(model_type, plain)
+        with counting_calls(plain_mlps) as plain_calls:
+            expected = step(plain)
+
+        enable_sim(offloaded)
+        assert_same(expected, step(offloaded))
+        assert_offloaded_something(model_type, offloaded)
+
+        hf_offload.enable_sequence_tiling(tiled, tile_tokens=TILE)
+        assert tiled.is_sequence_tiling
+        with counting_calls([mlp for mlp in resolve_mlps(tiled) if mlp is not None]) as tiled_calls:
+            assert_close(expected, step(tiled))
+        sliced = [after > before for after, before in zip(tiled_calls, plain_calls, strict=True)]
+        expected_sliced = [model_type not in RUNS_WHOLE] * len(sliced)
+        if model_type in SLICED_IN_THE_FIRST_LAYER_ONLY:
+            expected_sliced = [True] + [False] * (len(sliced) - 1)
+        assert sliced == expected_sliced, f"MLPs run sliced: {sliced}"
+
+        # With gradient checkpointing the engine offloads what the checkpoints keep: each layer's inputs.
+        if model_type in NO_CHECKPOINTING:
+            with pytest.raises(ValueError, match="does not support activation checkpointing"):
+                plain.activation_checkpointing_enable()
+            return
+        plain.activation_checkpointing_enable()
+        offloaded.activation_checkpointing_enable()
+        assert_same(step(plain), step(offloaded))
+        assert_offloaded_something(model_type, offloaded)
+
+
+@pytest.mark.parametrize("model_type", sorted(UNTRAINABLE))
+def test_untrainable_types_still_fail_as_stated(model_type):
+    error, pattern, _why = UNTRAINABLE[model_type]
+    with pytest.raises(error, match=pattern):
+        model = tiny_model(model_type)
+        enable_sim(model)
+        step(model)
+
+
+def test_the_lists_name_causal_lm_types():
+    listed = {*UNTRAINABLE, *STACKS, *OFFLOADS_NOTHING, *MLP_ELSEWHERE, *RUNS_WHOLE, *SLICED_IN_THE_FIRST_LAYER_ONLY}
+    assert listed <= set(CAUSAL_LM_TYPES), f"no longer causal-LM types: {sorted(listed - set(CAUSAL_LM_TYPES))}"
+    listed_swept = {*STACKS, *OFFLOADS_NOTHING, *MLP_ELSEWHERE, *RUNS_WHOLE, *SLICED_IN_THE_FIRST_LAYER_ONLY}
+    assert not set(UNTRAINABLE) & {*listed_swept, *NO_CHECKPOINTING}
