@@ -64,12 +64,20 @@ def test_simulated_peaks_script_runs_end_to_end(tmp_path):
 
     from hf_offload.tools.benchmarks import simulated_peaks
 
-    argv = ["--presets", "tiny", "--modes", "checkpointing", "checkpointing+hf_offload", "--tunings", "lora",
-            "--lengths", "256", "512", "--granularity", "256", "--budgets", "0.25", "0.5", "--jobs", "1",
-            "--out", str(tmp_path)]  # fmt: skip
+    modes = ["checkpointing", "checkpointing+hf_offload", "checkpointing+hf_offload+tiled"]
+    # The tiled lines start where the slices' fixed costs are small, so that they predict the answer
+    # and the search simulates only the two grid points around it (each tiled step runs op by slice).
+    argv = ["--presets", "tiny", "--modes", *modes, "--tunings", "lora", "--lengths", "256", "512",
+            "--granularity", "256", "--tiled-lengths", "8192", "16384", "--tiled-granularity", "2048",
+            "--tile-tokens", "512", "--budgets", "0.15", "0.2", "--jobs", "1", "--out", str(tmp_path)]  # fmt: skip
     assert simulated_peaks.main(argv) == 0
     (panel,) = json.loads((tmp_path / "simulated_peaks.json").read_text())
-    for mode in ("checkpointing", "checkpointing+hf_offload"):
-        small, large = (panel["modes"][mode]["longest"][f"{gib} GiB"]["max_seq_len"] for gib in ("0.25", "0.5"))
+    longest = {}
+    for mode in modes:
+        small, large = (panel["modes"][mode]["longest"][f"{gib} GiB"]["max_seq_len"] for gib in ("0.15", "0.2"))
         assert 0 < small < large
+        longest[mode] = large
+    # Tiling the tiny model's loss head (its 2048-word logits) and layers, 512 tokens a slice, goes further.
+    assert longest["checkpointing+hf_offload+tiled"] > longest["checkpointing+hf_offload"]
+    assert panel["modes"]["checkpointing+hf_offload+tiled"]["granularity"] == 2048
     assert (tmp_path / "simulated_peaks.png").stat().st_size > 10_000

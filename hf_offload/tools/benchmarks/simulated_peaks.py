@@ -7,7 +7,10 @@ against the H200's measured peaks (docs/estimate.md). For Llama-3-8B and Qwen2-7
 every linear layer (PEFT's fp32 adapters) and full fine-tuning, bf16, batch 1, an AdamW step:
 each mode's peak against the sequence length (the largest of its ops' lines through two
 simulated lengths), the 80 GB and 141 GB lines, and the longest sequence each fits, found by
-bisection (marked x). The H200's measured peaks are drawn where they exist (8B LoRA; measured
+bisection (marked x). The tiled mode (sequence tiling of the MLPs, norms, projections and loss
+head, docs/longest_context.md) is simulated at `--tiled-lengths` (default 32k and 64k) and
+searched to a coarser grid: its steps run an op per slice, minutes each near a million tokens.
+The H200's measured peaks are drawn where they exist (8B LoRA; measured
 without the optimizer step, 0.3 GiB less). Writes simulated_peaks.png, simulated_peaks.md and
 simulated_peaks.json.
 
@@ -30,7 +33,19 @@ from hf_offload.tools.simulator import Simulator, Training
 from hf_offload.tools.simulator.search import longest_sequence
 
 GIB = 2**30
-MODES = ("none", "hf_offload", "checkpointing", "checkpointing+hf_offload", "checkpointing+hf_offload+liger")
+MODES = (
+    "none",
+    "hf_offload",
+    "checkpointing",
+    "checkpointing+hf_offload",
+    "checkpointing+hf_offload+liger",
+    "checkpointing+hf_offload+tiled",
+)
+# Tiled steps run an op per slice, so a step at a million tokens takes minutes to simulate: their
+# lines come from longer lengths (where the slices' fixed costs are small), and their longest
+# sequence is found to a coarser grid.
+TILED_LENGTHS = (32768, 65536)
+TILED_GRANULARITY = 8192
 BUDGETS = {"80 GB": DEVICES["h100-80gb"], "141 GB": DEVICES["h200"]}
 # (preset, LoRA rank or None) -> {(mode, tokens): measured GiB}: the H200, 2026-11-30 (docs/benchmarks.md).
 MEASURED = {
@@ -45,13 +60,18 @@ MEASURED = {
 
 def simulate_panel(task: tuple) -> dict:
     """One model and tuning: each mode's two traced steps, and its longest sequence per budget."""
-    preset, lora_rank, modes, lengths, granularity, budgets = task
+    preset, lora_rank, modes, untiled_lengths, untiled_granularity, budgets, tiled = task
     BUDGETS.clear()
     BUDGETS.update(budgets)
-    simulator = Simulator(preset_config(preset), Training(lora_rank=lora_rank, optimizer_states=2))
+    simulator = Simulator(
+        preset_config(preset), Training(lora_rank=lora_rank, optimizer_states=2, tile_tokens=tiled["tile_tokens"])
+    )
     panel = {"preset": preset, "lora_rank": lora_rank, "modes": {}}
     for mode in modes:
         steps = {}
+        lengths, granularity = (
+            (tiled["lengths"], tiled["granularity"]) if "+tiled" in mode else (untiled_lengths, untiled_granularity)
+        )
 
         def run(seq_len: int, trace: bool, mode=mode, steps=steps):
             if seq_len not in steps or (trace and steps[seq_len].trace is None):
@@ -75,12 +95,14 @@ def simulate_panel(task: tuple) -> dict:
                 "host_bytes": at.host_bytes if at else None,
             }
         short, long_ = (steps[n] for n in lengths)
+        same_ops = len(short.trace) == len(long_.trace)  # not when tiling runs more slices at the longer length
         entry["lines"] = {
             "lengths": list(lengths),
-            "short": short.trace,
-            "long": long_.trace,
+            "short": short.trace if same_ops else [short.tracked_peak_bytes],
+            "long": long_.trace if same_ops else [long_.tracked_peak_bytes],
             "workspace_bytes": short.workspace_bytes,
         }
+        entry["granularity"] = granularity
         entry["peaks"] = {str(n): step.peak_bytes for n, step in sorted(steps.items())}
         panel["modes"][mode] = entry
     return panel
@@ -110,8 +132,6 @@ def plot(panels: list[dict], path: Path) -> None:
         top = max(4096, int(longest_any * 1.5))
         grid = [2 ** (12 + i / 8) for i in range(int(8 * (top.bit_length() - 12)) + 1)]
         for mode, entry in panel["modes"].items():
-            if len(entry["lines"]["short"]) != len(entry["lines"]["long"]):
-                continue
             (line,) = axis.plot(grid, [peak_at(entry["lines"], n) / GIB for n in grid], label=mode)
             for name, device in BUDGETS.items():
                 longest = entry["longest"][name]["max_seq_len"]
@@ -166,6 +186,9 @@ def main(argv=None) -> int:
     parser.add_argument("--modes", nargs="+", default=list(MODES))
     parser.add_argument("--lengths", type=int, nargs=2, default=[8192, 16384])
     parser.add_argument("--granularity", type=int, default=1024)
+    parser.add_argument("--tiled-lengths", type=int, nargs=2, default=list(TILED_LENGTHS))
+    parser.add_argument("--tiled-granularity", type=int, default=TILED_GRANULARITY)
+    parser.add_argument("--tile-tokens", type=int, default=None, help="the +tiled modes' slice (default: tiling's)")
     parser.add_argument("--tunings", nargs="+", choices=["lora", "full"], default=["lora", "full"])
     parser.add_argument(
         "--budgets", type=float, nargs="+", default=None, metavar="GIB",
@@ -180,8 +203,9 @@ def main(argv=None) -> int:
         BUDGETS.clear()
         BUDGETS.update({f"{gib:g} GiB": replace(base, memory_gib=gib) for gib in args.budgets})
     ranks = [16 if tuning == "lora" else None for tuning in args.tunings]
+    tiled = dict(lengths=tuple(args.tiled_lengths), granularity=args.tiled_granularity, tile_tokens=args.tile_tokens)
     tasks = [
-        (preset, rank, tuple(args.modes), tuple(args.lengths), args.granularity, dict(BUDGETS))
+        (preset, rank, tuple(args.modes), tuple(args.lengths), args.granularity, dict(BUDGETS), tiled)
         for preset in args.presets
         for rank in ranks
     ]
