@@ -1,5 +1,5 @@
-"""The product never loads the tools: a training step with offloading imports nothing under
-`hf_offload.tools` (the command, the benchmarks, the simulator), nor Liger or TRL."""
+"""The product never loads the tools: a training step with offloading and tiling imports nothing
+under `hf_offload.tools` (the command, the benchmarks, the simulator), nor Liger or TRL."""
 
 from __future__ import annotations
 
@@ -15,9 +15,11 @@ import hf_offload
 model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128))
 model.enable_activation_offloading(simulate_on_cpu=True, min_offload_bytes=0)
+model.enable_sequence_tiling(tile_tokens=8)
 ids = torch.randint(128, (1, 16))
 model(input_ids=ids, labels=ids).loss.backward()
 assert model.activation_offloading_stats().offloaded_tensors > 0
+assert model.is_sequence_tiling
 print("\\n".join(sorted(sys.modules)))
 """
 
@@ -30,6 +32,7 @@ def loaded_modules(code: str) -> set[str]:
 def test_training_with_offloading_loads_no_tool_and_no_other_library():
     modules = loaded_modules(TRAIN_AND_LIST_MODULES)
     assert "hf_offload.engine.offloader" in modules  # the step did run the engine
+    assert "hf_offload.tiling.per_token" in modules
     assert not {name for name in modules if name.startswith("hf_offload.tools")}
     assert not {name for name in modules if name.split(".")[0] in ("liger_kernel", "trl")}
 
