@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import nn
 
-from . import auto_budget
+from . import auto_budget, instance_forward
 from .adapters import resolve_layers, unwrap_model
 from .config import OffloadOptions
 from .engine import ActivationOffloader, OffloadStats, in_backward
@@ -340,12 +340,14 @@ def _install(controller: _Controller, layers: Sequence[nn.Module]) -> None:
     unique = list(dict.fromkeys(layers))  # a layer listed twice must not wrap its own wrapper
     controller.installations += 1
     for position, layer in enumerate(unique):
-        previous = layer.__dict__.get("forward")
-        existing: _LayerSlot | None = layer.__dict__.get(LAYER_STATE_ATTR)
-        if existing is not None and isinstance(previous, types.MethodType) and previous.__func__ is _offloaded_forward:
-            previous = existing.previous_forward  # ours already: replace it, never stack on it
-        setattr(layer, LAYER_STATE_ATTR, _LayerSlot(controller, position, previous, layer))
-        layer.forward = types.MethodType(_offloaded_forward, layer)
+        # Ours already (on top, or left as a pass-through under a later wrapper): a new slot, never
+        # a second wrapper.
+        instance_forward.install(
+            layer,
+            _offloaded_forward,
+            LAYER_STATE_ATTR,
+            lambda previous, position=position, layer=layer: _LayerSlot(controller, position, previous, layer),
+        )
         layer._replicate_for_data_parallel = types.MethodType(_replicate_with_offloading, layer)
     controller.layers = unique
 
@@ -355,8 +357,7 @@ def _uninstall(controller: _Controller) -> None:
         slot: _LayerSlot | None = layer.__dict__.get(LAYER_STATE_ATTR)
         if slot is None:
             continue
-        current = layer.__dict__.get("forward")
-        if isinstance(current, types.MethodType) and current.__func__ is _offloaded_forward:
+        if instance_forward.wraps(layer, _offloaded_forward):
             if slot.previous_forward is None:
                 del layer.forward
             else:

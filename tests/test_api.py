@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
+import types
 
 import pytest
 import torch
@@ -60,6 +61,52 @@ def test_enable_twice_reconfigures_without_stacking():
     stats = model.activation_offloading_stats()
     assert stats.layers_offloaded == 1  # the new keep_last_layers=2 is in force
     assert stats.total_layer_scopes == 3  # one scope per layer call: nothing stacked
+
+
+def wrap_layers_again(model):
+    """An instance-level forward put over each layer's after offloading was enabled (a hook
+    library, a profiler): it holds ours."""
+    for layer in model.model.layers:
+        inner = layer.forward
+        layer.forward = functools.wraps(inner)(lambda *args, inner=inner, **kwargs: inner(*args, **kwargs))
+
+
+def test_enabling_again_under_a_later_wrapper_reuses_our_pass_through(caplog):
+    """Disabled under another wrapper, ours stays in its chain as a pass-through (said once per
+    layer); enabling again makes that wrapper offload again, exactly, without stacking a second."""
+    plain = tiny_model()
+    model = twin(plain)
+    enable_sim(model)
+    wrap_layers_again(model)
+    assert_same_step(plain, model, batch())
+    hf_offload.disable_activation_offloading(model)
+    assert "wrapped again after offloading was enabled" in caplog.text
+    assert not model.is_activation_offloading
+    assert_same_step(plain, model, batch(), "while disabled")
+    enable_sim(model)
+    assert_same_step(plain, model, batch(), "enabled again")
+    stats = model.activation_offloading_stats()
+    assert stats.offloaded_tensors > 0
+    assert stats.total_layer_scopes == len(model.model.layers)  # one scope per layer call: nothing stacked
+
+
+def test_a_second_wrapper_under_the_later_one_would_recurse_without_end(monkeypatch):
+    """Companion: enabling again by wrapping whatever forward the layer has now (the later
+    wrapper, which calls ours, which would call it) never returns."""
+    from hf_offload import instance_forward
+
+    def stack(module, wrapper, state_attr, make_state):
+        setattr(module, state_attr, make_state(module.__dict__.get("forward")))
+        module.forward = types.MethodType(wrapper, module)
+
+    model = tiny_model()
+    enable_sim(model)
+    wrap_layers_again(model)
+    hf_offload.disable_activation_offloading(model)
+    monkeypatch.setattr(instance_forward, "install", stack)
+    enable_sim(model)
+    with pytest.raises(RecursionError):
+        train_step(model, batch())
 
 
 def test_an_existing_instance_forward_is_wrapped_and_restored():

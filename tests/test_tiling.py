@@ -469,6 +469,59 @@ def test_disabling_restores_every_module_exactly():
         assert dict(module._forward_pre_hooks) == hooks_before[name], name
 
 
+def wrap_forward_again(module):
+    """What accelerate's prepare does to a model's forward (its autocast and fp32-output wrapper):
+    an instance-level forward put over whatever forward the instance had."""
+    inner = module.forward
+
+    def forward(*args, **kwargs):
+        return inner(*args, **kwargs)
+
+    module.forward = forward
+
+
+def wrapped_after_tiling():
+    model = build("llama")
+    reference = build("llama")
+    hf_offload.enable_sequence_tiling(model, tile_tokens=TILE)
+    wrap_forward_again(model)  # over the tiled loss's wrapper
+    for layer in model.model.layers:
+        wrap_forward_again(layer.mlp)  # over a tiled MLP's
+    return model, reference
+
+
+def test_disabling_under_a_later_wrapper_leaves_a_pass_through_and_enabling_reuses_it():
+    """Another wrapper put over tiling's after it was enabled keeps working: disabling leaves ours
+    in its chain as a pass-through (untiled results, training goes on), and enabling again tiles
+    through the same wrapper, never a second one."""
+    model, reference = wrapped_after_tiling()
+    untiled = step(reference)
+    assert_close(untiled, step(model), **FLOAT64)
+    hf_offload.disable_sequence_tiling(model)
+    assert not model.is_sequence_tiling
+    torch.testing.assert_close(step(model)[0], untiled[0], rtol=0, atol=0)  # a pass-through: untiled exactly
+    hf_offload.enable_sequence_tiling(model, tile_tokens=TILE)
+    assert model.is_sequence_tiling
+    assert step(model)[2].logits is None  # the tiled loss again, through the one wrapper
+    assert_close(untiled, step(model), **FLOAT64)
+
+
+def test_removing_the_state_from_under_a_later_wrapper_would_break_training(monkeypatch):
+    """Companion: a disable that deletes tiling's state whatever holds its wrapper ends the next
+    step with an error, which the pass-through avoids."""
+    from hf_offload import instance_forward
+
+    def remove_regardless(module, wrapper, state_attr):
+        module.__dict__.pop(state_attr, None)
+        return True
+
+    model, _reference = wrapped_after_tiling()
+    monkeypatch.setattr(instance_forward, "remove", remove_regardless)
+    hf_offload.disable_sequence_tiling(model)
+    with pytest.raises(KeyError):
+        step(model)
+
+
 @pytest.mark.parametrize(
     "options,error,fragment",
     [

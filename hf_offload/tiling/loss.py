@@ -24,6 +24,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .. import instance_forward
+
 logger = logging.getLogger("hf_offload")
 
 LOSS_STATE_ATTR = "_hf_offload_tiled_loss"
@@ -184,6 +186,7 @@ class LossSlot:
         self.tile_tokens = tile_tokens
         self.previous_forward = previous_forward
         self.model_name = model_name
+        self.active = True  # False: disabled while another wrapper still holds ours (a pass-through)
         self._warned: set[str] = set()
         self.source: _Source | None = None
 
@@ -289,7 +292,7 @@ def tiled_loss_forward(self: nn.Module, *args, **kwargs):
     slot: LossSlot = self.__dict__[LOSS_STATE_ATTR]
     forward = slot.forward_of(self)
     labels = kwargs.get("labels")
-    if labels is None or not (self.training and torch.is_grad_enabled()):
+    if not slot.active or labels is None or not (self.training and torch.is_grad_enabled()):
         return forward(*args, **kwargs)
     if torch.is_tensor(labels) and labels.shape[-1] <= slot.tile_for(self):
         return forward(*args, **kwargs)  # one slice: tiling would recompute the head and save nothing
@@ -308,28 +311,16 @@ def tiled_loss_forward(self: nn.Module, *args, **kwargs):
 
 
 def install(model: nn.Module, tile_tokens: int | None) -> None:
-    existing: LossSlot | None = model.__dict__.get(LOSS_STATE_ATTR)
-    previous = model.__dict__.get("forward")
-    if existing is not None and isinstance(previous, types.MethodType) and previous.__func__ is tiled_loss_forward:
-        previous = existing.previous_forward
-    setattr(model, LOSS_STATE_ATTR, LossSlot(tile_tokens, previous, type(model).__name__))
-    model.forward = types.MethodType(tiled_loss_forward, model)
+    name = type(model).__name__
+    instance_forward.install(
+        model, tiled_loss_forward, LOSS_STATE_ATTR, lambda previous: LossSlot(tile_tokens, previous, name)
+    )
 
 
 def uninstall(model: nn.Module) -> None:
-    slot: LossSlot | None = model.__dict__.get(LOSS_STATE_ATTR)
-    if slot is None:
-        return
-    current = model.__dict__.get("forward")
-    if isinstance(current, types.MethodType) and current.__func__ is tiled_loss_forward:
-        if slot.previous_forward is None:
-            del model.forward
-        else:
-            model.forward = slot.previous_forward
-    delattr(model, LOSS_STATE_ATTR)
+    instance_forward.remove(model, tiled_loss_forward, LOSS_STATE_ATTR)
 
 
 def is_tiled(model: nn.Module) -> bool:
-    current = model.__dict__.get("forward")
-    ours = isinstance(current, types.MethodType) and current.__func__ is tiled_loss_forward
-    return ours and LOSS_STATE_ATTR in model.__dict__
+    slot: LossSlot | None = model.__dict__.get(LOSS_STATE_ATTR)
+    return slot is not None and slot.active

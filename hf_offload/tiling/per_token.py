@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .. import instance_forward
 from ..integrations.transformers_outputs import active_collector, collecting
 
 logger = logging.getLogger("hf_offload")
@@ -50,6 +51,7 @@ class _Slot:
     previous_forward: object  # an instance-level forward that was there before (None: the class's)
     untileable: str | None = None  # why it runs untiled, once found
     signatures: dict = field(default_factory=dict)  # what it returns, by the kind of input
+    active: bool = True  # False: disabled while another wrapper still holds ours (a pass-through)
 
     def forward_of(self, module: nn.Module):
         if self.previous_forward is not None:
@@ -244,6 +246,8 @@ def tiled_forward(self: nn.Module, *args, **kwargs):
     there and the slices are computed once in forward and once in backward, as without tiling."""
     slot: _Slot = self.__dict__[STATE_ATTR]
     own_forward = slot.forward_of(self)
+    if not slot.active:
+        return own_forward(*args, **kwargs)
     hidden = args[0] if args else None
     if (
         slot.untileable is not None
@@ -370,24 +374,11 @@ def _fill(run: _Run, hidden, outputs, collector, keys, *, start: int) -> None:
 
 
 def install(module: nn.Module, tile_tokens: int) -> None:
-    existing: _Slot | None = module.__dict__.get(STATE_ATTR)
-    previous = module.__dict__.get("forward")
-    if existing is not None and isinstance(previous, types.MethodType) and previous.__func__ is tiled_forward:
-        previous = existing.previous_forward  # ours already: reconfigure, never stack
-    setattr(module, STATE_ATTR, _Slot(tile_tokens, previous))
-    module.forward = types.MethodType(tiled_forward, module)
+    instance_forward.install(module, tiled_forward, STATE_ATTR, lambda previous: _Slot(tile_tokens, previous))
 
 
 def uninstall(module: nn.Module) -> None:
-    slot: _Slot | None = module.__dict__.get(STATE_ATTR)
-    if slot is not None:
-        current = module.__dict__.get("forward")
-        if isinstance(current, types.MethodType) and current.__func__ is tiled_forward:
-            if slot.previous_forward is None:
-                del module.forward
-            else:
-                module.forward = slot.previous_forward
-        delattr(module, STATE_ATTR)
+    instance_forward.remove(module, tiled_forward, STATE_ATTR)
     projections = module.__dict__.get(PROJECTIONS_ATTR)
     if projections is not None:
         projections.handle.remove()
@@ -395,9 +386,8 @@ def uninstall(module: nn.Module) -> None:
 
 
 def is_tiled(module: nn.Module) -> bool:
-    current = module.__dict__.get("forward")
-    ours = isinstance(current, types.MethodType) and current.__func__ is tiled_forward
-    return ours and STATE_ATTR in module.__dict__
+    slot: _Slot | None = module.__dict__.get(STATE_ATTR)
+    return slot is not None and slot.active
 
 
 @dataclass
@@ -414,7 +404,7 @@ def tile_projections(attention: nn.Module, tile_tokens: int) -> None:
 
     def tile_children(module, args) -> None:
         for child in module._modules.values():
-            if child is not None and STATE_ATTR not in child.__dict__ and is_linear_like(child):
+            if child is not None and not is_tiled(child) and is_linear_like(child):
                 install(child, tile_tokens)
 
     uninstall(attention)
