@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from .. import instance_forward
+from .per_token import store_slice_gradients
 
 logger = logging.getLogger("hf_offload")
 
@@ -168,14 +169,7 @@ class _TiledLoss(torch.autograd.Function):
             inputs = ([leaf] if wants_hidden else []) + list(parameters)
             found = torch.autograd.grad(loss, inputs, grad_loss, allow_unused=True)
             del logits, loss
-            if wants_hidden:
-                if found[0] is None:
-                    grad_hidden[:, start:stop].zero_()
-                else:
-                    grad_hidden[:, start:stop] = found[0]
-            for index, grad in enumerate(found[1:] if wants_hidden else found):
-                if grad is not None:
-                    sums[index] = grad if sums[index] is None else sums[index].add_(grad)
+            store_slice_gradients(found, grad_hidden, start, stop, sums)
         return (None, grad_hidden, *sums)
 
 

@@ -221,19 +221,23 @@ class _TiledMLP(torch.autograd.Function):
                 found = torch.autograd.grad(
                     [tensor for tensor, _ in pairs], inputs, [grad for _, grad in pairs], allow_unused=True
                 )
-            if wants_x:
-                if found[0] is None:
-                    grad_x[:, start:stop].zero_()
-                else:
-                    grad_x[:, start:stop] = found[0]
-            for index, grad in enumerate(found[1:] if wants_x else found):
-                if grad is None:
-                    continue
-                if sums[index] is None:
-                    sums[index] = grad
-                else:
-                    sums[index] += grad
+            store_slice_gradients(found, grad_x, start, stop, sums)
         return (None, grad_x, *sums)
+
+
+def store_slice_gradients(found, input_grad, start: int, stop: int, sums: list) -> None:
+    """One slice's gradients from autograd.grad: the input's (first in `found` when `input_grad`,
+    the whole sequence's buffer, is given) written into its slice, the parameters' added to
+    `sums`, once per step and not per slice (what DDP's and FSDP's hooks must see)."""
+    if input_grad is not None:
+        if found[0] is None:
+            input_grad[:, start:stop].zero_()
+        else:
+            input_grad[:, start:stop] = found[0]
+        found = found[1:]
+    for index, grad in enumerate(found):
+        if grad is not None:
+            sums[index] = grad if sums[index] is None else sums[index].add_(grad)
 
 
 def tiled_forward(self: nn.Module, *args, **kwargs):
