@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-import types
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 
@@ -22,7 +21,7 @@ from torch import nn
 
 from . import auto_budget, instance_forward
 from .adapters import resolve_layers, unwrap_model
-from .config import OffloadOptions
+from .config import OffloadOptions, reject_positional
 from .engine import ActivationOffloader, OffloadStats, in_backward
 from .integrations.liger import fused_linear_cross_entropy_in_use
 from .integrations.trl import TRL_OFFLOADING_WARNING, is_trl_hooks_module
@@ -45,6 +44,15 @@ class _Controller:
         self.unmovable: list[int] | None = None  # layer ids found inside a checkpoint we cannot wrap
         self.installations = 0
         self._outside: _ModuleCache = _ModuleCache()
+
+    def __getstate__(self) -> dict:
+        # A pickled or deep-copied model offloads as this one does, from a fresh start: what was
+        # learnt about the layers and their storages belongs to this model's process.
+        return {**self.__dict__, "paused": False, "unmovable": None, "_outside": _ModuleCache()}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        _watch_module_structure()  # a new process has not watched any structure yet
 
     def engine_options(self, options: OffloadOptions) -> dict[str, object]:
         engine_options = options.engine_options()
@@ -118,6 +126,9 @@ class _ModuleCache:
     def __init__(self) -> None:
         self.dicts: list[dict[str, torch.Tensor | None]] = []
         self.generation = -1
+
+    def __reduce__(self):
+        return (_ModuleCache, ())  # a copy builds its own
 
     def tensors(self, build: Callable[[], list[nn.Module]]) -> Iterator[torch.Tensor]:
         if self.generation != _structure_generation[0]:
@@ -301,7 +312,7 @@ def _under_torch_compile() -> bool:
 
 
 def _offloaded_forward(self: nn.Module, *args, **kwargs):
-    # Bound to the layer with types.MethodType so that copy.deepcopy rebinds it to the copy.
+    # Bound to the layer by an InstanceForward, so that copy.deepcopy and pickling rebind it to the copy.
     slot: _LayerSlot = self._hf_offload_layer
     # The class's function and self, not type(self).forward.__get__(self): after a graph break
     # dynamo rebuilds such a bound method as `self.forward`, which is this wrapper (endless recursion).
@@ -331,8 +342,8 @@ def _replicate_with_offloading(self: nn.Module) -> nn.Module:
     # Its own slot too: the slot remembers where this layer's parameters are (for its device and
     # its parameters' storages), and the replica's are on another GPU.
     setattr(replica, LAYER_STATE_ATTR, self.__dict__[LAYER_STATE_ATTR].for_replica(replica))
-    replica.forward = types.MethodType(_offloaded_forward, replica)
-    replica._replicate_for_data_parallel = types.MethodType(_replicate_with_offloading, replica)
+    instance_forward.rebind(replica, _offloaded_forward, LAYER_STATE_ATTR)
+    replica._replicate_for_data_parallel = instance_forward.BoundMethod(_replicate_with_offloading, replica)
     return replica
 
 
@@ -348,7 +359,7 @@ def _install(controller: _Controller, layers: Sequence[nn.Module]) -> None:
             LAYER_STATE_ATTR,
             lambda previous, position=position, layer=layer: _LayerSlot(controller, position, previous, layer),
         )
-        layer._replicate_for_data_parallel = types.MethodType(_replicate_with_offloading, layer)
+        layer._replicate_for_data_parallel = instance_forward.BoundMethod(_replicate_with_offloading, layer)
     controller.layers = unique
 
 
@@ -426,13 +437,14 @@ def _predicted_step_bytes(controller: _Controller, tokens: int) -> int:
         return 0  # the margin alone
 
 
-def enable_activation_offloading(model: nn.Module, **options: object) -> None:
+def enable_activation_offloading(model: nn.Module, *positional: object, **options: object) -> None:
     """Offload the tensors autograd saves inside each decoder layer to host memory.
 
     Options (keyword-only) are described in `hf_offload.OffloadOptions`. Calling it again
     reconfigures; it never stacks wrappers. Works on a PEFT model, and before
     `get_peft_model` (LoRA layers created later are handled).
     """
+    reject_positional("enable_activation_offloading", positional, OffloadOptions.option_names())
     parsed = OffloadOptions.from_kwargs(**options)
     if parsed.max_device_bytes == "auto":
         auto_budget.check_device_memory_readable()
@@ -495,8 +507,8 @@ def _install_model_methods() -> None:
     its attribute forwarding)."""
     from transformers import PreTrainedModel
 
-    def enable(self, **options):
-        enable_activation_offloading(self, **options)
+    def enable(self, *positional, **options):
+        enable_activation_offloading(self, *positional, **options)
 
     def disable(self):
         disable_activation_offloading(self)

@@ -92,24 +92,53 @@ class LayerShape:
 
     @classmethod
     def from_config(cls, config) -> LayerShape:
-        """From a transformers config or its dict; composite models through `text_config`."""
+        """From a transformers config or its dict; composite models through `text_config`. The
+        feed-forward width has many names (and none in GPT-2, Bloom or Falcon, whose width is the
+        classic four times the hidden size); models without attention (Mamba, RWKV) have no heads."""
+        if hasattr(config, "get_text_config"):
+            config = config.get_text_config(decoder=True)
         config = getattr(config, "text_config", None) or config
-        get = config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
-        heads, hidden = get("num_attention_heads"), get("hidden_size")
+        get = config.get if isinstance(config, dict) else lambda key, default=None: _attribute(config, key, default)
+        hidden = get("hidden_size")
+        heads = get("num_attention_heads") or 0
+        intermediate = next((get(name) for name in _FEED_FORWARD_NAMES if get(name)), None)
+        if isinstance(intermediate, (list, tuple)):
+            intermediate = max(intermediate)
+        if not intermediate and hidden:
+            intermediate = int((get("expansion_ratio") or get("mlp_ratio") or 4) * hidden)
         shape = cls(
             model_type=str(get("model_type", "")),
             hidden=hidden,
-            intermediate=get("intermediate_size"),
+            intermediate=intermediate,
             heads=heads,
             kv_heads=get("num_key_value_heads") or heads,
-            head_dim=get("head_dim") or (hidden // heads if hidden and heads else None),
+            head_dim=get("head_dim") or (hidden // heads if hidden and heads else 0),
             vocab=get("vocab_size"),
         )
-        needed = ("hidden", "intermediate", "heads", "head_dim", "vocab")
-        missing = [name for name in needed if not getattr(shape, name)]
+        needed = ("hidden", "intermediate", "vocab")
+        missing = [name for name in needed if not isinstance(getattr(shape, name), int) or getattr(shape, name) <= 0]
         if missing:
             raise ValueError(f"config of model_type {shape.model_type!r} has no usable {', '.join(missing)}")
         return shape
+
+
+# Where configs keep the feed-forward width, in the order tried.
+_FEED_FORWARD_NAMES = (
+    "intermediate_size", "ffn_hidden_size", "n_inner", "ffn_dim", "decoder_ffn_dim", "d_ff", "d_inner",
+    "dim_feedforward", "intermediate_size_mlp", "moe_intermediate_size",
+)  # fmt: skip
+
+
+def _attribute(config, key: str, default=None):
+    """A config's attribute; a per-layer one that differs between layers (Gemma 4's head_dim)
+    reads as its largest value, and a missing one as `default`."""
+    try:
+        value = getattr(config, key, default)
+    except Exception:  # noqa: BLE001 - transformers refuses a global read of a per-layer attribute
+        values = [getattr(layer, key, None) for layer in getattr(config, "layer_configs", None) or []]
+        values = [v for v in values if isinstance(v, int)]
+        return max(values) if values else default
+    return value
 
 
 def layer_bytes_per_token(shape: LayerShape, *, dtype_bytes: int) -> int:

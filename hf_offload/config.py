@@ -114,6 +114,16 @@ class OffloadOptions:
         return cls(**kwargs)  # type: ignore[arg-type]
 
 
+def reject_positional(function: str, positional: tuple, option_names: tuple[str, ...]) -> None:
+    """Options are keyword-only: `enable_sequence_tiling(16)` says which keyword was meant."""
+    if positional:
+        values = ", ".join(map(repr, positional))
+        raise TypeError(
+            f"{function}() takes its options as keywords only, got positional {values}; valid options are: "
+            f"{', '.join(option_names)} (e.g. {function}({option_names[-1]}=...))"
+        )
+
+
 def _require_int(name: str, value: object, *, minimum: int, or_none: bool = False, or_auto: bool = False) -> None:
     valid = f"an int >= {minimum}" + (", 'auto'" if or_auto else "") + (" or None" if or_none else "")
     # bool is an int subclass; `keep_last_layers=True` is a mistake, not 1.

@@ -1,6 +1,13 @@
 """Instance-level forward wrappers, installed and removed one way by offloading (on decoder
 layers) and tiling (on the modules it tiles and on the causal LM).
 
+A wrapper is an `InstanceForward`: called, it runs `wrapper(module, *args, **kwargs)`. It shows
+the signature of the forward it wraps, because transformers reads `inspect.signature(model.forward)`
+to choose which dataset columns the Trainer keeps and whether `generate` may pass
+`logits_to_keep`; and it pickles and deep-copies as a reference to the wrapper function and the
+module, so `torch.save(model)` and `copy.deepcopy(model)` work, the copy wrapped like the
+original (each state object decides what of itself a copy keeps).
+
 Something may wrap a module's forward again after us (accelerate's autocast wrapper on the
 model's forward, a hook library); removing ours from under it would break its chain. So removal
 leaves ours in place as a pass-through (its state marked inactive), and enabling again reuses it
@@ -9,16 +16,104 @@ through the new state instead of stacking a second wrapper.
 
 from __future__ import annotations
 
+import inspect
 import types
 from collections.abc import Callable
 
 from torch import nn
 
 
+class InstanceForward:
+    """`module.forward` while a wrapper is installed: a bound method in all but type.
+
+    `__func__` and `__self__` are there for code that unbinds and rebinds a forward (accelerate
+    wraps `model.forward.__func__` under mixed precision); `__func__` carries the wrapped
+    signature too, so the signature survives that rewrapping."""
+
+    __slots__ = ("wrapper", "module", "state_attr", "_signature", "_function")
+
+    def __init__(self, wrapper: Callable, module: nn.Module, state_attr: str) -> None:
+        self.wrapper = wrapper
+        self.module = module
+        self.state_attr = state_attr
+        self._signature: inspect.Signature | None = None
+        self._function: Callable | None = None
+
+    def __call__(self, *args, **kwargs):
+        return self.wrapper(self.module, *args, **kwargs)
+
+    def __reduce__(self):
+        return (InstanceForward, (self.wrapper, self.module, self.state_attr))
+
+    @property
+    def __self__(self) -> nn.Module:
+        return self.module
+
+    @property
+    def __name__(self) -> str:
+        return "forward"
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        if self._signature is None:
+            self._signature = inspect.signature(self._wrapped())
+        return self._signature
+
+    @property
+    def __func__(self) -> Callable:
+        if self._function is None:
+            wrapper = self.wrapper
+
+            def forward(module, *args, **kwargs):
+                return wrapper(module, *args, **kwargs)
+
+            # The wrapped forward's parameters after the module's own.
+            parameters = list(self.__signature__.parameters.values())
+            forward.__signature__ = self.__signature__.replace(
+                parameters=[inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY), *parameters]
+            )
+            forward.__module__, forward.__name__, forward.__qualname__ = (
+                wrapper.__module__,
+                wrapper.__name__,
+                wrapper.__qualname__,
+            )
+            forward._hf_offload_wrapper = wrapper
+            self._function = forward
+        return self._function
+
+    def _wrapped(self) -> Callable:
+        """The forward this one wraps: an earlier instance-level forward, or the class's."""
+        state = self.module.__dict__.get(self.state_attr)
+        previous = getattr(state, "previous_forward", None)
+        return previous if previous is not None else types.MethodType(type(self.module).forward, self.module)
+
+
+class BoundMethod:
+    """A module-level function bound to a module, as `types.MethodType` binds it, but pickled as a
+    reference to the function and the module (a bound method pickles as the attribute of its
+    function's name, which the module does not have)."""
+
+    __slots__ = ("function", "module")
+
+    def __init__(self, function: Callable, module: nn.Module) -> None:
+        self.function = function
+        self.module = module
+
+    def __call__(self, *args, **kwargs):
+        return self.function(self.module, *args, **kwargs)
+
+    def __reduce__(self):
+        return (BoundMethod, (self.function, self.module))
+
+
 def wraps(module: nn.Module, wrapper: Callable) -> bool:
-    """Whether `wrapper` is the module's instance-level forward, on top of any other."""
+    """Whether `wrapper` is the module's instance-level forward, on top of any other (also when
+    code that unbinds forwards has bound our `__func__` to the module again)."""
     current = module.__dict__.get("forward")
-    return isinstance(current, types.MethodType) and current.__func__ is wrapper
+    if isinstance(current, InstanceForward):
+        return current.wrapper is wrapper and current.module is module
+    function = getattr(current, "__func__", None)
+    return isinstance(current, types.MethodType) and getattr(function, "_hf_offload_wrapper", None) is wrapper
 
 
 def install(module: nn.Module, wrapper: Callable, state_attr: str, make_state: Callable[[object], object]) -> None:
@@ -31,7 +126,13 @@ def install(module: nn.Module, wrapper: Callable, state_attr: str, make_state: C
         setattr(module, state_attr, make_state(existing.previous_forward))
         return
     setattr(module, state_attr, make_state(module.__dict__.get("forward")))
-    module.forward = types.MethodType(wrapper, module)
+    module.forward = InstanceForward(wrapper, module, state_attr)
+
+
+def rebind(module: nn.Module, wrapper: Callable, state_attr: str) -> None:
+    """Give `module` a wrapper of its own: a copy made by nn.DataParallel's replication carries
+    the original's in its `__dict__`."""
+    module.forward = InstanceForward(wrapper, module, state_attr)
 
 
 def remove(module: nn.Module, wrapper: Callable, state_attr: str) -> bool:

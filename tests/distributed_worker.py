@@ -497,12 +497,13 @@ def tiles_accumulated_one_by_one() -> Iterator[None]:
     original = per_token._TiledMLP.backward
 
     def backward(ctx, *grads):
-        run, (x,), parameters = ctx.run, ctx.saved_tensors, ctx.parameters
+        run, (x,) = ctx.run, ctx.saved_tensors
+        parameters = run.targets.tensors
         grad_x = torch.zeros_like(x)
         for start, stop in run.bounds:
             with torch.enable_grad():
                 leaf = x[:, start:stop].detach().requires_grad_(True)
-                output = run.forward(leaf.clone())
+                output = run.forward_slice(leaf.clone())
             torch.autograd.backward(output, grads[0][:, start:stop], inputs=[leaf, *parameters])
             grad_x[:, start:stop] = leaf.grad
         return (None, grad_x, *[None] * len(parameters))

@@ -13,6 +13,7 @@ from conftest import assert_bit_identical, assert_same_step, batch, enable_sim, 
 from peft import LoraConfig, get_peft_model
 
 import hf_offload
+from hf_offload import instance_forward
 from hf_offload.api import _offloaded_forward
 from hf_offload.config import DEFAULT_MIN_OFFLOAD_BYTES
 
@@ -37,7 +38,7 @@ def test_disable_restores_the_model_exactly():
     model.enable_activation_offloading(simulate_on_cpu=True)
     assert model.is_activation_offloading
     assert module_state(model) != before
-    assert all(layer.forward.__func__ is _offloaded_forward for layer in model.model.layers)
+    assert all(instance_forward.wraps(layer, _offloaded_forward) for layer in model.model.layers)
     model.disable_activation_offloading()
     assert not model.is_activation_offloading
     assert module_state(model) == before

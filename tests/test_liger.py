@@ -65,6 +65,7 @@ from transformers.models.mistral import modeling_mistral
 from transformers.models.qwen2 import modeling_qwen2
 
 import hf_offload
+from hf_offload import instance_forward
 from hf_offload.adapters import BUILTIN_MODEL_TYPES, resolve_layers, unwrap_model
 from hf_offload.api import LAYER_STATE_ATTR, MODEL_STATE_ATTR, _offloaded_forward
 from hf_offload.integrations.liger import fused_linear_cross_entropy_in_use
@@ -280,6 +281,8 @@ def effective_forward(module: torch.nn.Module):
     forward = module.__dict__.get("forward")
     if forward is None:
         return type(module).forward
+    if isinstance(forward, instance_forward.InstanceForward):
+        return forward.wrapper
     return getattr(forward, "__func__", forward)
 
 

@@ -7,7 +7,6 @@ tiling alone. The tiny models have 64-token sequences and 16-token slices (4 sli
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import re
 import types
@@ -19,8 +18,10 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import hf_offload
+from hf_offload.engine import in_backward
 from hf_offload.tiling import loss as loss_tiling
 from hf_offload.tiling import per_token
+from hf_offload.tiling.replay import Replay
 
 SEQ, TILE = 64, 16
 FLOAT64 = dict(rtol=1e-9, atol=1e-12)
@@ -164,7 +165,7 @@ def test_backward_recomputes_each_slice_with_its_forward_dropout_mask():
 def test_without_replaying_the_random_state_the_masks_would_differ(monkeypatch):
     """Companion: a backward that recomputed the slices with fresh random numbers is caught."""
     reference, tiled = dropout_mlp_pair()
-    monkeypatch.setattr(per_token, "_replaying", lambda state, device: contextlib.nullcontext())
+    monkeypatch.setattr(Replay, "replaying", lambda self, index: self._autocast())
     with pytest.raises(AssertionError):
         assert_close(seeded_step(reference), seeded_step(tiled), **FLOAT64)
 
@@ -206,14 +207,19 @@ def test_handed_views_such_a_module_would_corrupt_its_saved_input(monkeypatch):
 
 
 def saved_inside(module: torch.nn.Module, model, inputs):
-    """The tensors autograd saves while `module` runs, in one training step."""
+    """The tensors autograd saves while `module` runs in one training step's forward (tiling's
+    backward calls the module again, slice by slice, to recompute it)."""
     saved = []
 
     def pre(mod, args):
+        if in_backward():
+            return
         mod._recording = torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t)
         mod._recording.__enter__()
 
     def post(mod, args, output):
+        if in_backward():
+            return
         mod._recording.__exit__(None, None, None)
         del mod._recording
 

@@ -30,6 +30,7 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
+from copy import deepcopy
 
 import torch
 
@@ -61,6 +62,10 @@ def current_backward_id() -> int:
     must not offload, and tells one backward from the next (retain_graph) for prefetching.
     """
     return torch._C._current_graph_task_id()
+
+
+def _offloader_with_options(options: dict) -> ActivationOffloader:
+    return ActivationOffloader(**options)
 
 
 def in_backward() -> bool:
@@ -432,8 +437,13 @@ class ActivationOffloader:
 
     def __deepcopy__(self, memo: dict) -> ActivationOffloader:
         # A deep-copied model (a DPO reference model, say) gets an offloader of its own with the
-        # same options, never a share of this one's handles and counters.
-        return ActivationOffloader(**self.options())
+        # same options, never a share of this one's handles and counters (an "auto" budget reads
+        # the copy's model: the options are copied with the rest).
+        return ActivationOffloader(**deepcopy(self.options(), memo))
+
+    def __reduce__(self):
+        # Pickled (torch.save(model)): the options, as a deep copy keeps them.
+        return (_offloader_with_options, (self.options(),))
 
     def device_context(self, device: str | torch.device) -> DeviceContext | None:
         return self._devices.get(torch.device(device))

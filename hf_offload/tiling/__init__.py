@@ -16,8 +16,16 @@ import logging
 
 from torch import nn
 
-from ..adapters import find_attention, find_norms, resolve_layers, resolve_mlps, unwrap_model
-from ..config import TilingOptions
+from ..adapters import (
+    UnsupportedModelError,
+    find_attention,
+    find_norms,
+    is_linear_like,
+    resolve_layers,
+    resolve_mlps,
+    unwrap_model,
+)
+from ..config import TilingOptions, reject_positional
 from ..integrations.liger import fused_linear_cross_entropy_in_use
 from . import loss as loss_tiling
 from . import per_token
@@ -25,13 +33,16 @@ from . import per_token
 logger = logging.getLogger("hf_offload")
 
 
-def enable_sequence_tiling(model: nn.Module, **options: object) -> None:
+def enable_sequence_tiling(model: nn.Module, *positional: object, **options: object) -> None:
     """Tile the sequence through each decoder layer's per-token parts and through the loss head.
 
     Options (keyword-only) are described in `hf_offload.TilingOptions`: `mlp`, `norms`,
     `projections`, `loss`, `tile_tokens`. Calling it again reconfigures. The loss head is tiled
-    only where Liger's fused linear cross-entropy is not already computing the loss.
+    only where Liger's fused linear cross-entropy is not already computing the loss. A model with
+    nothing to tile (no decoder layer with a per-token part, no lm_head) raises
+    UnsupportedModelError.
     """
+    reject_positional("enable_sequence_tiling", positional, TilingOptions.option_names())
     parsed = TilingOptions.from_kwargs(**options)
     target = unwrap_model(model)
     per_layer = parsed.mlp or parsed.norms or parsed.projections
@@ -50,15 +61,15 @@ def enable_sequence_tiling(model: nn.Module, **options: object) -> None:
             "find_layers, find_mlp=...) names it)",
             type(target).__name__,
         )
+    attentions = []
     for layer in layers:
         if parsed.norms:
             modules.update((id(norm), norm) for norm in find_norms(layer))
         if parsed.projections:
             attention = find_attention(layer)
-            if attention is not None:
-                per_token.tile_projections(attention, tile)
-    for module in modules.values():
-        per_token.install(module, tile)
+            if attention is not None and any(is_linear_like(child) for child in attention.children()):
+                attentions.append(attention)
+    tiles_loss = False
     if parsed.loss:
         if not isinstance(head, nn.Module):
             name = type(target).__name__
@@ -66,7 +77,20 @@ def enable_sequence_tiling(model: nn.Module, **options: object) -> None:
         elif fused_linear_cross_entropy_in_use(target):
             logger.info("hf_offload: Liger's fused linear cross-entropy computes the loss: the loss head is left to it")
         else:
-            loss_tiling.install(target, parsed.tile_tokens)
+            tiles_loss = True
+    if not (modules or attentions or tiles_loss):
+        raise UnsupportedModelError(
+            f"hf_offload: sequence tiling finds nothing to tile in {type(target).__name__}: no decoder layer with a "
+            "per-token MLP, norm or attention projection, and no lm_head whose loss it could compute (it is made "
+            "for causal language models; register_adapter(model_type, find_layers, find_mlp=...) names the "
+            "layers and MLPs of a model it does not know)"
+        )
+    for attention in attentions:
+        per_token.tile_projections(attention, tile)
+    for module in modules.values():
+        per_token.install(module, tile)
+    if tiles_loss:
+        loss_tiling.install(target, parsed.tile_tokens)
 
 
 def disable_sequence_tiling(model: nn.Module) -> None:
@@ -89,7 +113,8 @@ def is_sequence_tiling(model: nn.Module) -> bool:
 def _install_model_methods() -> None:
     from transformers import PreTrainedModel
 
-    def enable(self, **options):
+    def enable(self, *positional, **options):
+        reject_positional("enable_sequence_tiling", positional, TilingOptions.option_names())
         enable_sequence_tiling(self, **options)
 
     def disable(self):

@@ -7,11 +7,16 @@ with labels, the tiled loss lets that forward run as written, but lm_head return
 `DeferredLogits`: a tensor of the logits' shape and dtype that holds no memory and records what
 the model's code does to it. The loss function then receives the deferred logits and computes
 transformers' `ForCausalLMLoss` (float32 upcast, label shift, ignore_index, `num_items_in_batch`)
-slice by slice: each slice's logits are computed from the hidden states, put through the
-recorded transforms, and dropped; backward recomputes them slice by slice. The output's logits
-are None in training, as with Liger's fused linear cross-entropy. An op on the deferred logits
-that is not per token (a slice of the vocabulary, a loss computed by the model's own code)
-makes them real, and the step runs as without tiling.
+slice by slice: each slice's logits are computed by calling lm_head (its hooks run: ZeRO-3
+gathers its weight, FSDP unshards it), put through the recorded transforms, and dropped;
+backward recomputes them slice by slice, under the forward's autocast and random state.
+
+Only transforms known to act on each token alone are recorded (elementwise arithmetic, casts,
+tanh, ...; their other operands scalars or per-vocabulary vectors; a learnable one gets its
+gradient). Anything else on the deferred logits makes them real, and the step runs as without
+tiling, said once; an in-place transform that is not per token is recorded and makes the logits
+real when the loss needs them. The output's logits are None in training, as with Liger's fused
+linear cross-entropy.
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ import torch
 from torch import nn
 
 from .. import instance_forward
-from .per_token import store_slice_gradients
+from .gradients import Targets, backward_by_slices, refuse_double_backward
+from .replay import Replay
 
 logger = logging.getLogger("hf_offload")
 
@@ -33,11 +39,57 @@ LOSS_STATE_ATTR = "_hf_offload_tiled_loss"
 # Tokens per loss slice, by default: as many as keep a slice's logits within this many elements
 # (float32 logits, their log-softmax and gradient for 2**28 elements are about 3 GiB).
 LOSS_TILE_ELEMENTS = 2**28
-_METADATA = frozenset({torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.stride})
+# Questions about the tensor that the deferred logits answer as the real ones would.
+_METADATA = frozenset(
+    {
+        torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.stride, torch.Tensor.is_floating_point,
+        torch.Tensor.is_complex, torch.Tensor.element_size, torch.Tensor.get_device,
+    }
+)  # fmt: skip
+_UNDER_COMPILE = "the tiled loss head runs eagerly: torch.compile breaks the graph there"
+
+# Ops whose output for a token depends on that token's logits alone (given operands that broadcast
+# per token), by name without underscores or the reflected/in-place prefix.
+_PER_TOKEN_OPS = frozenset(
+    {
+        "mul", "div", "true_divide", "add", "sub", "neg", "pow", "tanh", "sigmoid", "exp", "log", "abs", "sqrt",
+        "rsqrt", "clamp", "clamp_min", "clamp_max", "clip", "float", "half", "bfloat16", "double", "to", "type_as",
+        "contiguous", "clone",
+    }
+)  # fmt: skip
+_REFLECTED = frozenset({"mul", "div", "truediv", "add", "sub", "pow"})
 
 
 def loss_tile_tokens(vocab: int) -> int:
     return max(1, LOSS_TILE_ELEMENTS // max(vocab, 1))
+
+
+def _op_name(func) -> tuple[str, bool]:
+    """(the op's plain name, whether it works in place): `__rmul__` -> mul, `__itruediv__` -> div,
+    `mul_` -> mul in place."""
+    name = getattr(func, "__name__", "")
+    if name.startswith("__") and name.endswith("__"):
+        name = name[2:-2]
+        for prefix in ("r", "i"):
+            if name.startswith(prefix) and name[1:] in _REFLECTED:
+                return ("div" if name[1:] == "truediv" else name[1:]), prefix == "i"
+        return ("div" if name == "truediv" else name), False
+    if name.endswith("_") and not name.startswith("_"):
+        return name[:-1], True
+    return name, False
+
+
+def _per_token_operands(args, kwargs, deferred) -> bool:
+    """The other tensor operands broadcast per token (scalars, per-vocabulary vectors), never
+    across tokens."""
+    return all(
+        not isinstance(a, torch.Tensor) or a is deferred or a.dim() <= 1 or all(s == 1 for s in a.shape[:-1])
+        for a in (*args, *kwargs.values())
+    )
+
+
+def _on_meta(value):
+    return torch.empty(value.shape, dtype=value.dtype, device="meta") if isinstance(value, torch.Tensor) else value
 
 
 class DeferredLogits(torch.Tensor):
@@ -45,27 +97,39 @@ class DeferredLogits(torch.Tensor):
     element of memory, with the ops the model's code applies to them recorded for every slice."""
 
     @staticmethod
-    def __new__(cls, like: torch.Tensor, source: _Source, ops: tuple = ()):
+    def __new__(cls, like: torch.Tensor, source: _Source, ops: tuple = (), whole: str | None = None):
         self = torch.Tensor._make_subclass(cls, like, False)
         self.source = source
         self.ops = ops
+        self.whole = whole  # the op, not per token, applied in place: only real logits will do
         return self
 
     @classmethod
     def __torch_function__(cls, func, types=(), args=(), kwargs=None):
         kwargs = kwargs or {}
-        deferred = next((a for a in args if isinstance(a, DeferredLogits)), None)
+        deferred = next((a for a in (*args, *kwargs.values()) if isinstance(a, DeferredLogits)), None)
         if deferred is None or func in _METADATA or getattr(func, "__name__", "") == "__get__":
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
-        meta = _meta_like(deferred)
-        with torch._C.DisableTorchFunctionSubclass():
-            try:
-                probe = func(*[meta if a is deferred else a for a in args], **kwargs)
-            except Exception:
-                probe = None
-        if isinstance(probe, torch.Tensor) and probe.shape == deferred.shape and _per_token(args, deferred):
-            op = (func, tuple(_Slot if a is deferred else a for a in args), kwargs)
+        name, in_place = _op_name(func)
+        if name == "detach" and args and args[0] is deferred:  # module hooks detach outputs (ZeRO-3's)
+            return DeferredLogits(deferred, deferred.source, deferred.ops, deferred.whole)
+        per_token = name in _PER_TOKEN_OPS and not deferred.whole and _per_token_operands(args, kwargs, deferred)
+        if per_token:
+            with torch._C.DisableTorchFunctionSubclass():
+                try:
+                    probe = func(*[_on_meta(a) for a in args], **{k: _on_meta(v) for k, v in kwargs.items()})
+                except Exception:
+                    probe = None
+            per_token = isinstance(probe, torch.Tensor) and probe.shape == deferred.shape
+        if in_place and args and args[0] is deferred:
+            # The model's code keeps using this very object: record the op on it.
+            deferred.ops = deferred.ops + ((func, _recorded(args, deferred), kwargs),)
+            if not per_token or probe.dtype != deferred.dtype:
+                deferred.whole = deferred.whole or getattr(func, "__name__", str(func))
+            return deferred
+        if per_token:
+            op = (func, _recorded(args, deferred), kwargs)
             like = torch.empty((1,) * probe.dim(), dtype=probe.dtype, device=deferred.device).expand(probe.shape)
             return DeferredLogits(like, deferred.source, deferred.ops + (op,))
         # Not a per-token transform: the logits become real, and the step goes on as without tiling.
@@ -75,24 +139,27 @@ class DeferredLogits(torch.Tensor):
             return func(*[real if a is deferred else a for a in args], **kwargs)
 
     def materialise(self) -> torch.Tensor:
-        return self.source.logits(self.ops)
+        """The real logits (kept: the model's output returns them, as without tiling)."""
+        real = self.__dict__.get("materialised")
+        if real is None:
+            real = self.materialised = self.source.logits(self.ops)
+        return real
+
+    def learnable_operands(self) -> list[torch.Tensor]:
+        """Tensors the recorded ops use that need a gradient (a learnable logit scale)."""
+        return [a for _func, args, kwargs in self.ops for a in (*args, *kwargs.values()) if _needs_grad(a)]
+
+
+def _needs_grad(value) -> bool:
+    return isinstance(value, torch.Tensor) and value.requires_grad
+
+
+def _recorded(args, deferred) -> tuple:
+    return tuple(_Slot if a is deferred else a for a in args)
 
 
 class _Slot:
     """Where the deferred logits go in a recorded op."""
-
-
-def _per_token(args, deferred) -> bool:
-    """The other tensor arguments of a recorded op broadcast per token (scalars, per-vocabulary
-    vectors), never across tokens."""
-    return all(
-        not isinstance(a, torch.Tensor) or a is deferred or a.dim() <= 1 or all(s == 1 for s in a.shape[:-1])
-        for a in args
-    )
-
-
-def _meta_like(tensor: torch.Tensor) -> torch.Tensor:
-    return torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
 
 
 def _replay(logits: torch.Tensor, ops: tuple) -> torch.Tensor:
@@ -103,23 +170,49 @@ def _replay(logits: torch.Tensor, ops: tuple) -> torch.Tensor:
 
 @dataclass
 class _Source:
-    """The hidden states lm_head was given, and the head itself (whatever module it is now: with
-    LoRA on lm_head, PEFT's)."""
+    """The hidden states lm_head was given, the head module (whatever it is now: with LoRA on
+    lm_head, PEFT's) and its own forward, and the tensors it needs gradients for, found inside
+    its call.
+
+    Ops recorded before the head's call returns (by its forward hooks, or a forward wrapped around
+    it) are the call's own: a slice computed by calling the head gets them from the call again, so
+    they are not replayed on top. `call_ops` is set when the call returns."""
 
     hidden: torch.Tensor
-    head: object  # the head module's own forward
-    parameters: list[nn.Parameter]
+    head: nn.Module
+    head_forward: object
+    targets: Targets
     slot: LossSlot
+    call_ops: tuple | None = None  # None while the head's call is still running
+
+    def call_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """lm_head on part of the hidden states, through its call (its hooks run)."""
+        with self.slot.slicing():
+            return self.head(hidden)
+
+    def after_call(self, ops: tuple) -> tuple:
+        """The ops to replay on what a call of the head returns."""
+        return ops[len(self.call_ops) :]
 
     def logits(self, ops: tuple) -> torch.Tensor:
-        return _replay(self.head(self.hidden), ops)
+        if self.call_ops is None:  # inside the head's call: its own forward, then what was recorded so far
+            with self.slot.slicing():
+                return _replay(self.head_forward(self.hidden), ops)
+        return _replay(self.call_head(self.hidden), self.after_call(ops))
 
     def note_materialised(self, func) -> None:
+        name = func if isinstance(func, str) else getattr(func, "__name__", func)
         self.slot.warn_once(
             "materialised",
-            f"hf_offload: {self.slot.model_name} applies {getattr(func, '__name__', func)} to its logits, which the "
+            f"hf_offload: {self.slot.model_name} applies {name} to its logits, which the "
             "tiled loss cannot do one slice of tokens at a time; its loss runs untiled",
         )
+
+
+def _end_of_head_call(module: nn.Module, args, output) -> None:
+    """lm_head's last forward hook while the model's forward defers its logits."""
+    if isinstance(output, DeferredLogits) and output.source.call_ops is None:
+        output.source.call_ops = output.ops
 
 
 def _cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
@@ -138,38 +231,40 @@ class _LossRun:
     ignore_index: int
     divisor: torch.Tensor | float
     bounds: list[tuple[int, int]]
+    targets: Targets
+    replay: Replay | None = None
+
+    def slice_loss(self, hidden: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        logits = _replay(self.source.call_head(hidden), self.source.after_call(self.ops))
+        return _cross_entropy_sum(logits, self.labels[:, start:stop], self.ignore_index)
 
 
 class _TiledLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, run: _LossRun, hidden: torch.Tensor, *parameters):
+    def forward(ctx, run: _LossRun, hidden: torch.Tensor, *target_tensors: torch.Tensor):
         ctx.run = run
-        ctx.parameters = parameters
         ctx.save_for_backward(hidden)
+        run.replay = Replay(hidden.device)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        for start, stop in run.bounds:
-            logits = _replay(run.source.head(hidden[:, start:stop]), run.ops)
-            total = total + _cross_entropy_sum(logits, run.labels[:, start:stop], run.ignore_index)
-            del logits
+        last = len(run.bounds) - 1
+        for index, (start, stop) in enumerate(run.bounds):
+            total = total + run.slice_loss(hidden[:, start:stop], start, stop)
+            run.replay.slice_done(last=index == last)
         return total / run.divisor
 
     @staticmethod
     def backward(ctx, grad_loss):
         run: _LossRun = ctx.run
+        refuse_double_backward(f"{run.source.slot.model_name}'s tiled loss head")
         (hidden,) = ctx.saved_tensors
-        parameters = ctx.parameters
-        wants_hidden = ctx.needs_input_grad[1]
-        grad_hidden = torch.empty_like(hidden) if wants_hidden else None  # every slice writes its part
-        sums: list[torch.Tensor | None] = [None] * len(parameters)
-        for start, stop in run.bounds:
-            with torch.enable_grad():
-                leaf = hidden[:, start:stop].detach().requires_grad_(wants_hidden)
-                logits = _replay(run.source.head(leaf), run.ops)
-                loss = _cross_entropy_sum(logits, run.labels[:, start:stop], run.ignore_index) / run.divisor
-            inputs = ([leaf] if wants_hidden else []) + list(parameters)
-            found = torch.autograd.grad(loss, inputs, grad_loss, allow_unused=True)
-            del logits, loss
-            store_slice_gradients(found, grad_hidden, start, stop, sums)
+
+        def recompute(index: int, leaf: torch.Tensor):
+            start, stop = run.bounds[index]
+            return [(run.slice_loss(leaf, start, stop) / run.divisor, grad_loss)]
+
+        grad_hidden, sums = backward_by_slices(
+            hidden, run.bounds, ctx.needs_input_grad[1], run.targets, run.replay.replaying, recompute
+        )
         return (None, grad_hidden, *sums)
 
 
@@ -182,7 +277,11 @@ class LossSlot:
         self.model_name = model_name
         self.active = True  # False: disabled while another wrapper still holds ours (a pass-through)
         self._warned: set[str] = set()
-        self.source: _Source | None = None
+        self._slicing = 0  # > 0: lm_head is being called for a slice, and computes
+
+    def __getstate__(self) -> dict:
+        # A pickled or deep-copied model says its notices again.
+        return {**self.__dict__, "_warned": set(), "_slicing": 0}
 
     def tile_for(self, model: nn.Module) -> int:
         if self.tile_tokens is not None:
@@ -202,6 +301,14 @@ class LossSlot:
             logger.log(level, message)
 
     @contextlib.contextmanager
+    def slicing(self):
+        self._slicing += 1
+        try:
+            yield
+        finally:
+            self._slicing -= 1
+
+    @contextlib.contextmanager
     def deferring(self, model: nn.Module) -> contextlib.AbstractContextManager:
         """For one forward: lm_head returns deferred logits and the loss function computes the
         tiled loss. Both are put back afterwards, whatever happens."""
@@ -212,28 +319,35 @@ class LossSlot:
         previous_loss = model.__dict__.get("_loss_function", missing)
         slot = self
 
-        def deferred_head(module, hidden, *args, **kwargs):
-            if args or kwargs or not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
+        @torch.compiler.disable(reason=_UNDER_COMPILE)
+        def deferred_head(hidden, *args, **kwargs):
+            if slot._slicing or args or kwargs or not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
                 return head_forward(hidden, *args, **kwargs)
-            parameters = [p for p in module.parameters() if p.requires_grad]
-            first = head_forward(hidden[:, :1])  # the logits' dtype and width, for one token
-            like = first.detach().expand(hidden.shape[0], hidden.shape[1], first.shape[-1])
-            source = _Source(hidden, head_forward, parameters, slot)
-            return DeferredLogits(like, source)
+            # The logits' dtype and width, from one token, drawing no random numbers (LoRA dropout).
+            with torch.no_grad(), torch.random.fork_rng(devices=_devices_of(hidden), device_type=hidden.device.type):
+                first = head_forward(hidden[:, :1])
+            like = first.expand(hidden.shape[0], hidden.shape[1], first.shape[-1])
+            return DeferredLogits(like, _Source(hidden, head, head_forward, Targets.of(head), slot))
 
+        @torch.compiler.disable(reason=_UNDER_COMPILE)
         def tiled_loss(logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=-100,
                        shift_labels=None, **kwargs):  # fmt: skip
+            from transformers.loss.loss_utils import ForCausalLMLoss
+
+            if isinstance(logits, DeferredLogits) and logits.whole:
+                logits.source.note_materialised(logits.whole)
+                logits = logits.materialise()
             if not isinstance(logits, DeferredLogits):
-                from transformers.loss.loss_utils import ForCausalLMLoss
-
                 return ForCausalLMLoss(logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels)
-            return _tiled_loss(slot, logits, labels, num_items_in_batch, ignore_index, shift_labels)
+            return _tiled_loss(slot, logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels)
 
-        head.forward = types.MethodType(deferred_head, head)
+        head.forward = deferred_head
         model._loss_function = tiled_loss
+        end_of_call = head.register_forward_hook(_end_of_head_call, always_call=True)  # the last one
         try:
             yield
         finally:
+            end_of_call.remove()
             if previous_head is None:
                 head.__dict__.pop("forward", None)
             else:
@@ -244,12 +358,24 @@ class LossSlot:
                 model._loss_function = previous_loss
 
 
-def _tiled_loss(slot: LossSlot, logits: DeferredLogits, labels, num_items_in_batch, ignore_index, shift_labels):
+def _devices_of(tensor: torch.Tensor) -> list:
+    return [tensor.device] if tensor.device.type not in ("cpu", "meta") else []
+
+
+def _tiled_loss(slot: LossSlot, logits: DeferredLogits, labels, vocab_size, num_items_in_batch, ignore_index,
+                shift_labels):  # fmt: skip
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
     source = logits.source
     hidden = source.hidden
+    given = (labels, shift_labels)
     if shift_labels is None:
         labels = nn.functional.pad(labels, (0, 1), value=ignore_index)
         shift_labels = labels[..., 1:]
+    if shift_labels.shape != hidden.shape[:2]:
+        # Labels that do not match the logits token for token (longer than the inputs, or full
+        # length with logits_to_keep): transformers' loss raises, and says why.
+        return ForCausalLMLoss(logits.materialise(), given[0], vocab_size, num_items_in_batch, ignore_index, given[1])
     shift_labels = shift_labels.to(hidden.device)
     if num_items_in_batch is None:
         divisor = (shift_labels != ignore_index).sum()
@@ -258,25 +384,31 @@ def _tiled_loss(slot: LossSlot, logits: DeferredLogits, labels, num_items_in_bat
     length = hidden.shape[1]
     tile = slot.tile_tokens if slot.tile_tokens is not None else loss_tile_tokens(logits.shape[-1])
     bounds = [(start, min(start + tile, length)) for start in range(0, length, tile)]
-    run = _LossRun(source, logits.ops, shift_labels, ignore_index, divisor, bounds)
+    targets = source.targets.with_extra(logits.learnable_operands())
+    run = _LossRun(source, logits.ops, shift_labels, ignore_index, divisor, bounds, targets)
     slot.warn_once(
         "no_logits",
         f"hf_offload: the tiled loss computes {slot.model_name}'s training loss without the full logits: in "
         "training with labels, outputs.logits is None (as with Liger's fused linear cross-entropy); evaluation "
         "and generate() are untouched",
     )
-    return _TiledLoss.apply(run, hidden, *source.parameters)
+    return _TiledLoss.apply(run, hidden, *targets.tensors)
 
 
 def _without_deferred(output):
-    """The model's output with the deferred logits taken out (None, as Liger's forward returns)."""
+    """The model's output with the deferred logits taken out: None, as Liger's forward returns,
+    or the real logits where something made them real."""
+
+    def real(item):
+        return item.__dict__.get("materialised") if isinstance(item, DeferredLogits) else item
+
     if isinstance(output, DeferredLogits):
-        return None
+        return real(output)
     if isinstance(output, tuple):
-        return type(output)(None if isinstance(item, DeferredLogits) else item for item in output)
+        return type(output)(real(item) for item in output)
     keys = getattr(output, "keys", None)
     if callable(keys) and any(isinstance(output[key], DeferredLogits) for key in keys()):
-        return type(output)(**{key: value for key, value in output.items() if not isinstance(value, DeferredLogits)})
+        return type(output)(**{key: real(value) for key, value in output.items() if real(value) is not None})
     return output
 
 

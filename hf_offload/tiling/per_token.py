@@ -20,7 +20,7 @@ load-balancing loss are as without tiling.
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import logging
 import types
 from dataclasses import dataclass, field
@@ -30,12 +30,15 @@ from torch import nn
 
 from .. import instance_forward
 from ..integrations.transformers_outputs import active_collector, collecting
+from .gradients import Targets, backward_by_slices, refuse_double_backward
+from .replay import Replay
 
 logger = logging.getLogger("hf_offload")
 
 STATE_ATTR = "_hf_offload_tiled"
 PROJECTIONS_ATTR = "_hf_offload_tiled_projections"
 
+UNDER_COMPILE = "sequence tiling runs a module one slice at a time, eagerly: torch.compile breaks the graph there"
 _SEQ, _TOKENS = "seq", "tokens"  # output layouts: (batch, tokens, ...) or (batch x tokens, ...)
 
 
@@ -57,6 +60,10 @@ class _Slot:
         if self.previous_forward is not None:
             return self.previous_forward
         return types.MethodType(type(module).forward, module)
+
+    def __getstate__(self) -> dict:
+        # A pickled or deep-copied model learns again what its modules return.
+        return {**self.__dict__, "signatures": {}}
 
 
 def _layout(tensor: torch.Tensor, batch: int, tokens: int) -> str:
@@ -141,54 +148,25 @@ class _Signature:
 class _Run:
     """One tiled call: everything the Function's backward needs to recompute a slice exactly."""
 
-    forward: object
+    module: nn.Module  # called again for each slice in backward, its hooks with it
+    forward: object  # the module's own forward, for the slices in forward (inside its call already)
+    constants: tuple[tuple, dict]  # what it was called with besides the hidden states
     batch: int
     bounds: list[tuple[int, int]]
-    signature: _Signature
-    rng_states: list[tuple[torch.Tensor, object]]
-    autocast: list[tuple[str, bool, torch.dtype]]
+    signature: _Signature | None
+    replay: Replay
+    targets: Targets | None = None
     outputs: list[torch.Tensor] | None = None  # what the Function returns: filled before or after it
 
-
-def _autocast_state(device_type: str) -> list[tuple[str, bool, torch.dtype]]:
-    states = []
-    for kind in dict.fromkeys((device_type, "cpu")):
-        if torch.amp.is_autocast_available(kind):
-            states.append((kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)))
-    return states
-
-
-@contextlib.contextmanager
-def _autocast(states):
-    with contextlib.ExitStack() as stack:
-        for kind, enabled, dtype in states:
-            stack.enter_context(torch.autocast(kind, dtype=dtype, enabled=enabled))
-        yield
-
-
-def _rng_state(device: torch.device):
-    """The generators a slice may draw from (dropout, router jitter): the CPU's and the device's."""
-    module = torch.get_device_module(device.type) if device.type not in ("cpu", "meta") else None
-    device_state = module.get_rng_state(device) if module is not None else None
-    return torch.get_rng_state(), device_state
-
-
-@contextlib.contextmanager
-def _replaying(state, device: torch.device):
-    cpu_state, device_state = state
-    devices = [device] if device_state is not None else []
-    with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):
-        torch.set_rng_state(cpu_state)
-        if device_state is not None:
-            torch.get_device_module(device.type).set_rng_state(device_state, device)
-        yield
+    def forward_slice(self, piece: torch.Tensor):
+        rest, kwargs = self.constants
+        return self.forward(piece, *rest, **kwargs)
 
 
 class _TiledMLP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, run: _Run, x: torch.Tensor, *parameters: nn.Parameter):
+    def forward(ctx, run: _Run, x: torch.Tensor, *target_tensors: torch.Tensor):
         ctx.run = run
-        ctx.parameters = parameters
         ctx.save_for_backward(x)
         outputs, run.outputs = run.outputs, None
         ctx.mark_non_differentiable(*[o for o in outputs if not (o.is_floating_point() or o.is_complex())])
@@ -197,49 +175,33 @@ class _TiledMLP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         run: _Run = ctx.run
+        refuse_double_backward(f"{type(run.module).__name__} (a tiled per-token module)")
         signature = run.signature
         (x,) = ctx.saved_tensors
-        parameters = ctx.parameters
-        wants_x = ctx.needs_input_grad[1]
-        grad_x = torch.empty_like(x) if wants_x else None  # every slice writes its part
-        sums: list[torch.Tensor | None] = [None] * len(parameters)
         keys = list(dict.fromkeys(key for key, _index in signature.recorded))
-        for tile, (start, stop) in enumerate(run.bounds):
-            pairs = []
-            with _replaying(run.rng_states[tile], x.device), torch.enable_grad(), _autocast(run.autocast):
-                leaf = x[:, start:stop].detach().requires_grad_(wants_x)
-                with collecting(keys) as records:
-                    output = run.forward(signature.slice_of(leaf, 0, stop - start))
-                tensors = signature.structure.tensors(output)
-                tensors += [records[key][index] for key, index in signature.recorded]
-                for tensor, grad, layout in zip(tensors, grads, signature.layouts, strict=True):
-                    if grad is not None and tensor.requires_grad:
-                        pairs.append((tensor, _tile_of(grad, layout, run.batch, start, stop)))
-            inputs = ([leaf] if wants_x else []) + list(parameters)
-            found = [None] * len(inputs)
-            if pairs:
-                found = torch.autograd.grad(
-                    [tensor for tensor, _ in pairs], inputs, [grad for _, grad in pairs], allow_unused=True
-                )
-            store_slice_gradients(found, grad_x, start, stop, sums)
+        rest, kwargs = run.constants
+
+        def recompute(index: int, leaf: torch.Tensor):
+            start, stop = run.bounds[index]
+            with collecting(keys) as records:
+                # Through the module's call (its hooks run); a slice is no longer than a tile, so
+                # tiling passes it through to the module's own forward.
+                output = run.module(signature.slice_of(leaf, 0, stop - start), *rest, **kwargs)
+            tensors = signature.structure.tensors(output)
+            tensors += [records[key][position] for key, position in signature.recorded]
+            return [
+                (tensor, _tile_of(grad, layout, run.batch, start, stop))
+                for tensor, grad, layout in zip(tensors, grads, signature.layouts, strict=True)
+                if grad is not None
+            ]
+
+        grad_x, sums = backward_by_slices(
+            x, run.bounds, ctx.needs_input_grad[1], run.targets, run.replay.replaying, recompute
+        )
         return (None, grad_x, *sums)
 
 
-def store_slice_gradients(found, input_grad, start: int, stop: int, sums: list) -> None:
-    """One slice's gradients from autograd.grad: the input's (first in `found` when `input_grad`,
-    the whole sequence's buffer, is given) written into its slice, the parameters' added to
-    `sums`, once per step and not per slice (what DDP's and FSDP's hooks must see)."""
-    if input_grad is not None:
-        if found[0] is None:
-            input_grad[:, start:stop].zero_()
-        else:
-            input_grad[:, start:stop] = found[0]
-        found = found[1:]
-    for index, grad in enumerate(found):
-        if grad is not None:
-            sums[index] = grad if sums[index] is None else sums[index].add_(grad)
-
-
+@torch.compiler.disable(reason=UNDER_COMPILE)
 def tiled_forward(self: nn.Module, *args, **kwargs):
     """The module's forward, one slice of the sequence at a time when grad is on and the sequence
     is longer than a tile (bound to the module instance).
@@ -268,16 +230,15 @@ def tiled_forward(self: nn.Module, *args, **kwargs):
         slot.untileable = "it takes tensors besides the hidden states"
         logger.warning("hf_offload: %s runs untiled: %s", type(self).__name__, slot.untileable)
         return own_forward(*args, **kwargs)
-    forward = own_forward if not (rest or kwargs) else lambda piece: own_forward(piece, *rest, **kwargs)
     batch, length = hidden.shape[:2]
     bounds = [(start, min(start + slot.tile_tokens, length)) for start in range(0, length, slot.tile_tokens)]
     collector = active_collector()
     keys = tuple(key for key, value in (collector or {}).items() if isinstance(value, list))
-    autocast = _autocast_state(hidden.device.type)
+    replay = Replay(hidden.device)
     constants = (tuple(map(repr, rest)), tuple((key, repr(value)) for key, value in sorted(kwargs.items())))
-    kind = (batch, tuple(hidden.shape[2:]), hidden.dtype, hidden.device, keys, tuple(autocast), constants)
+    kind = (batch, tuple(hidden.shape[2:]), hidden.dtype, hidden.device, keys, replay.autocast, constants)
     signature = slot.signatures.get(kind)
-    run = _Run(forward, batch, bounds, signature, [], autocast)
+    run = _Run(self, own_forward, (rest, kwargs), batch, bounds, signature, replay)
     if signature is None:
         try:
             run.signature, run.outputs = _learn(run, hidden, collector, keys)
@@ -290,12 +251,13 @@ def tiled_forward(self: nn.Module, *args, **kwargs):
             )
             return own_forward(*args, **kwargs)
         slot.signatures[kind] = run.signature
-    parameters = [p for p in self.parameters() if p.requires_grad]
+    run.targets = Targets.of(self)
+    differentiable = hidden.requires_grad or run.targets.tensors or run.targets.zero3
     if run.outputs is None:
         run.outputs = run.signature.allocate(batch, length, hidden.device)
         filling = list(run.outputs)
-        if hidden.requires_grad or parameters:
-            outputs = _TiledMLP.apply(run, hidden, *parameters)  # saves the input first
+        if differentiable:
+            outputs = _TiledMLP.apply(run, hidden, *run.targets.tensors)  # saves the input first
         else:
             outputs, run.outputs = run.outputs, None
         try:
@@ -305,8 +267,8 @@ def tiled_forward(self: nn.Module, *args, **kwargs):
                 f"hf_offload: {type(self).__name__} under sequence tiling returned outputs unlike those of its "
                 f"earlier calls with inputs of the same shape ({reason}): its outputs are not per token"
             ) from None
-    elif hidden.requires_grad or parameters:
-        outputs = _TiledMLP.apply(run, hidden, *parameters)
+    elif differentiable:
+        outputs = _TiledMLP.apply(run, hidden, *run.targets.tensors)
     else:
         outputs, run.outputs = run.outputs, None
     main = len(run.signature.structure.tensor_positions)
@@ -315,17 +277,17 @@ def tiled_forward(self: nn.Module, *args, **kwargs):
     return run.signature.structure.rebuild(list(outputs[:main]))
 
 
-def _slice(run: _Run, piece: torch.Tensor, collector, keys) -> tuple[object, list]:
-    """One slice under no_grad: the module's output, and the records it made (taken out of the
-    collector: one record for all tokens goes back after the Function)."""
-    run.rng_states.append(_rng_state(piece.device))
+def _slice(run: _Run, index: int, piece: torch.Tensor, collector, keys) -> tuple[object, list]:
+    """Slice `index` under no_grad: the module's output, and the records it made (taken out of
+    the collector: one record for all tokens goes back after the Function)."""
     before = {key: len(collector[key]) for key in keys}
-    output = run.forward(piece)
+    output = run.forward_slice(piece)
+    run.replay.slice_done(last=index == len(run.bounds) - 1)
     records = []
     for key in keys:
         new = collector[key][before[key] :]
         del collector[key][before[key] :]
-        records.extend((key, index, value) for index, value in enumerate(new))
+        records.extend((key, position, value) for position, value in enumerate(new))
     return output, records
 
 
@@ -337,7 +299,7 @@ def _learn(run: _Run, hidden: torch.Tensor, collector, keys) -> tuple[_Signature
     probe = hidden[:, start:stop].clone()  # a copy: whether the module changes its input in place shows on it
     version = probe._version
     with torch.no_grad():
-        output, records = _slice(run, probe, collector, keys)
+        output, records = _slice(run, 0, probe, collector, keys)
     structure = _Structure(output)
     tensors = structure.tensors(output) + [value for _key, _index, value in records]
     layouts = [_layout(tensor, batch, stop - start) for tensor in tensors]
@@ -361,9 +323,9 @@ def _fill(run: _Run, hidden, outputs, collector, keys, *, start: int) -> None:
     (raises _Untileable where a slice's outputs do not fit)."""
     signature = run.signature
     with torch.no_grad():
-        for first, stop in run.bounds[start:]:
-            output, records = _slice(run, signature.slice_of(hidden, first, stop), collector, keys)
-            if [(key, index) for key, index, _value in records] != signature.recorded:
+        for index, (first, stop) in enumerate(run.bounds[start:], start):
+            output, records = _slice(run, index, signature.slice_of(hidden, first, stop), collector, keys)
+            if [(key, position) for key, position, _value in records] != signature.recorded:
                 raise _Untileable(f"its slices recorded different outputs ({[key for key, _i, _v in records]})")
             tensors = signature.structure.tensors(output) + [value for _key, _index, value in records]
             for whole, piece, layout, (rest, dtype) in zip(
@@ -400,18 +362,21 @@ class _Projections:
     handle: object = None
 
 
+def _tile_children(tile_tokens: int, attention: nn.Module, args) -> None:
+    """The attention's forward pre-hook: tile its linear projections as they are now. (A function
+    of the module, not a closure, so that a model with tiling pickles.)"""
+    from ..adapters import is_linear_like
+
+    for child in attention._modules.values():
+        if child is not None and not is_tiled(child) and is_linear_like(child):
+            install(child, tile_tokens)
+
+
 def tile_projections(attention: nn.Module, tile_tokens: int) -> None:
     """Tile the attention module's linear projections, found at each of its calls: PEFT may
     replace them by LoRA layers after tiling was enabled, and the LoRA layer as a whole (its
     float32 casts included) is what should run per slice."""
-    from ..adapters import is_linear_like
-
-    def tile_children(module, args) -> None:
-        for child in module._modules.values():
-            if child is not None and not is_tiled(child) and is_linear_like(child):
-                install(child, tile_tokens)
-
     uninstall(attention)
     state = _Projections(tile_tokens)
-    state.handle = attention.register_forward_pre_hook(tile_children)
+    state.handle = attention.register_forward_pre_hook(functools.partial(_tile_children, tile_tokens))
     setattr(attention, PROJECTIONS_ATTR, state)
