@@ -21,6 +21,7 @@ from torch import nn
 
 from . import auto_budget, instance_forward
 from .adapters import resolve_layers, unwrap_model
+from .compiling import under_torch_compile
 from .config import OffloadOptions, reject_positional
 from .engine import ActivationOffloader, OffloadStats, in_backward
 from .integrations.liger import fused_linear_cross_entropy_in_use
@@ -300,17 +301,6 @@ def _tokens(args: tuple, kwargs: dict) -> int | None:
     return None
 
 
-@torch.compiler.disable(recursive=False, reason=_UNDER_COMPILE)  # recursive=False keeps the callback set
-def _under_torch_compile() -> bool:
-    """Whether this layer call runs inside a torch.compile'd region. Dynamo does not trace the
-    offload scope and runs this wrapper eagerly, so torch.compiler.is_compiling() is False here;
-    what remains set is dynamo's frame callback (private: no public API tells)."""
-    try:
-        return torch._C._dynamo.eval_frame.get_eval_frame_callback() is not None
-    except AttributeError:
-        return False
-
-
 def _offloaded_forward(self: nn.Module, *args, **kwargs):
     # Bound to the layer by an InstanceForward, so that copy.deepcopy and pickling rebind it to the copy.
     slot: _LayerSlot = self._hf_offload_layer
@@ -329,7 +319,7 @@ def _offloaded_forward(self: nn.Module, *args, **kwargs):
     # Evaluation, no_grad and generate(): the engine does nothing, so nothing of it runs.
     if not (self.training and torch.is_grad_enabled()):
         return forward(*args, **kwargs)
-    if slot.position == 0 and _under_torch_compile():  # the first layer speaks for the pass
+    if slot.position == 0 and under_torch_compile():  # the first layer speaks for the pass
         controller.engine._warn_once("compile", "hf_offload: " + _UNDER_COMPILE)
     with _EagerScope(controller, slot, self, args, kwargs):
         return forward(*args, **kwargs)
@@ -424,7 +414,8 @@ def _missing_gradient_bytes(controller: _Controller) -> int:
 
 def _predicted_step_bytes(controller: _Controller, tokens: int) -> int:
     """The larger of the loss head (fused or not) and one layer's full activations for `tokens`
-    tokens (`auto_budget.predicted_step_bytes`); 0 for a model without a transformers-style config."""
+    tokens (`auto_budget.predicted_step_bytes`); where the config does not tell (no transformers-
+    style config, no hidden or vocabulary size), 0 and one warning saying what to pass."""
     model = controller.model
     try:
         return auto_budget.predicted_step_bytes(
@@ -433,8 +424,15 @@ def _predicted_step_bytes(controller: _Controller, tokens: int) -> int:
             tokens=tokens,
             fused_loss=fused_linear_cross_entropy_in_use(model),
         )
-    except (TypeError, ValueError, AttributeError):
-        return 0  # the margin alone
+    except (TypeError, ValueError, AttributeError) as error:
+        controller.engine._warn_once(
+            "auto_reserve",
+            f"hf_offload: max_device_bytes='auto' cannot predict what {type(model).__name__}'s loss head and "
+            f"recomputed layer need beyond the offloaded activations ({error}): it reserves only its margin of "
+            f"{auto_budget.AUTO_BUDGET_MARGIN_SHARE:.0%} of the device, which may be too little; pass "
+            "max_device_bytes=<bytes> (hf-offload estimate --model PATH tells what a step needs)",
+        )
+        return 0
 
 
 def enable_activation_offloading(model: nn.Module, *positional: object, **options: object) -> None:

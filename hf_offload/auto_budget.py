@@ -98,6 +98,9 @@ class LayerShape:
         if hasattr(config, "get_text_config"):
             config = config.get_text_config(decoder=True)
         config = getattr(config, "text_config", None) or config
+        if not isinstance(config, dict) and not _attribute(config, "hidden_size"):
+            # A byte-latent model (BLT): its decoder's sizes.
+            config = getattr(config, "decoder_config", None) or config
         get = config.get if isinstance(config, dict) else lambda key, default=None: _attribute(config, key, default)
         hidden = get("hidden_size")
         heads = get("num_attention_heads") or 0

@@ -81,6 +81,38 @@ def train_step(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor,
     return loss.detach(), grads(model)
 
 
+def directional_derivatives(model: torch.nn.Module, inputs: dict, seed: int = 5, epsilon: float = 1e-3):
+    """(analytic, central finite difference) of the loss `model(**inputs)` reports, along the unit
+    direction of its own gradient, the random state reseeded before every forward (so that
+    dropout draws the same masks each time); the forwards run with grad on, as in training.
+
+    Along its own direction a gradient g gives the largest derivative, |g|, far above the float32
+    rounding of the loss (transformers computes the loss, and many models their norms, in
+    float32); a wrong g (one slice's dropout masks redrawn in backward, say) is not the true
+    gradient, and the loss does not change at |g| along it."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    model(**inputs).loss.backward()
+    gradients = [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in trainable]
+    analytic = sum(float(g.square().sum()) for g in gradients) ** 0.5
+    direction = [g / analytic for g in gradients]
+
+    def loss_at(shift: float) -> float:
+        with torch.no_grad():
+            for p, d in zip(trainable, direction, strict=True):
+                p.add_(d, alpha=shift)
+        torch.manual_seed(seed)
+        loss = model(**inputs).loss.item()
+        with torch.no_grad():
+            for p, d in zip(trainable, direction, strict=True):
+                p.sub_(d, alpha=shift)
+        return loss
+
+    difference = (loss_at(epsilon) - loss_at(-epsilon)) / (2 * epsilon)
+    return analytic, difference
+
+
 def assert_bit_identical(expected: dict[str, torch.Tensor], actual: dict[str, torch.Tensor]) -> None:
     assert expected.keys() == actual.keys()
     assert expected, "no gradients were produced"

@@ -75,7 +75,7 @@ def _layer_kinds(config: PreTrainedConfig) -> dict[str, list[str]]:
     }
 
 
-def shrunk(config: PreTrainedConfig) -> dict:
+def shrunk(config: PreTrainedConfig, dropout: float = 0.0) -> dict:
     """Keyword arguments that rebuild `config` tiny (sub-configs as dicts, shrunk in turn), so that
     what each config derives from its sizes (layer types, head dims) is derived again."""
     kwargs: dict = {name: value for name, value in SIZES.items() if _has(config, name)}
@@ -87,7 +87,7 @@ def shrunk(config: PreTrainedConfig) -> dict:
             kwargs["num_hidden_layers"] = layers
     for name, value in vars(config).items():
         if isinstance(value, float) and any(word in name for word in RANDOM):
-            kwargs[name] = 0.0
+            kwargs[name] = dropout if "dropout" in name or "pdrop" in name else 0.0
     for name in SPECIAL_TOKENS:
         value = getattr(config, name, None) if _has(config, name) else None
         if isinstance(value, int) and value >= VOCAB:
@@ -101,7 +101,8 @@ def shrunk(config: PreTrainedConfig) -> dict:
     if _has(config, "kv_lora_rank"):
         kwargs["num_key_value_heads"] = SIZES["num_attention_heads"]  # latent attention has no grouped heads
     for name, sub in _sub_configs(config).items():
-        kwargs[name] = {"model_type": sub.model_type, **shrunk(sub)} if sub.model_type else shrunk(sub)
+        sub_kwargs = shrunk(sub, dropout)
+        kwargs[name] = {"model_type": sub.model_type, **sub_kwargs} if sub.model_type else sub_kwargs
     return kwargs
 
 
@@ -173,9 +174,10 @@ def _merge(base: dict, extra: dict) -> dict:
     return merged
 
 
-def tiny_config(model_type: str) -> PreTrainedConfig:
+def tiny_config(model_type: str, dropout: float = 0.0) -> PreTrainedConfig:
     default = AutoConfig.for_model(model_type, **UNBUILDABLE_DEFAULTS.get(model_type, {}))
-    kwargs = _merge(shrunk(default), {**UNBUILDABLE_DEFAULTS.get(model_type, {}), **FIXUPS.get(model_type, {})})
+    fixes = {**UNBUILDABLE_DEFAULTS.get(model_type, {}), **FIXUPS.get(model_type, {})}
+    kwargs = _merge(shrunk(default, dropout), fixes)
     return AutoConfig.for_model(model_type, **kwargs)
 
 
@@ -183,8 +185,10 @@ def tiny_config(model_type: str) -> PreTrainedConfig:
 DECODER_ONLY = {"musicgen": "decoder", "musicgen_melody": "decoder"}
 
 
-def tiny_model(model_type: str, seed: int = 0) -> torch.nn.Module:
-    config = tiny_config(model_type)
+def tiny_model(model_type: str, seed: int = 0, dropout: float = 0.0) -> torch.nn.Module:
+    """With `dropout`, every dropout probability the config has (hidden, attention, residual,
+    embedding) and every nn.Dropout; other random draws (layer drop, router jitter) stay off."""
+    config = tiny_config(model_type, dropout)
     torch.manual_seed(seed)
     if model_type in DECODER_ONLY:
         model_class = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type])
@@ -195,7 +199,7 @@ def tiny_model(model_type: str, seed: int = 0) -> torch.nn.Module:
         model.set_default_language("en_XX")
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0  # some are not configurable
+            module.p = dropout  # some are not configurable
     return model.train()
 
 

@@ -10,8 +10,9 @@ import random
 
 import pytest
 import torch
-from conftest import assert_same_step, batch, enable_sim, tiny_model, twin
+from conftest import assert_same_step, batch, enable_sim, tiny_model, train_step, twin
 from test_races import identical_steps, simulated_streams
+from transformers import AutoConfig
 
 import hf_offload
 from hf_offload import api, auto_budget
@@ -401,3 +402,41 @@ def test_layers_kept_in_one_step_are_planned_with_what_they_bring_back_in_the_ne
         assert stats.peak_resident_bytes <= stats.planned_peak_bytes
         if stats.planned_peak_bytes <= budget:
             assert stats.peak_resident_bytes <= budget, share
+
+
+def test_the_auto_reserve_is_predicted_for_every_causal_lm_type():
+    """The reserve's formula reads every causal-LM config transformers registers (the feed-forward
+    width under its many names, or GPT-2's, Bloom's and Falcon's implicit four times the hidden
+    size; no heads for Mamba): none falls back to the margin alone."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    unpredicted, checked = {}, 0
+    for model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        try:
+            config = AutoConfig.for_model(model_type)
+        except Exception:  # noqa: BLE001 - a default config transformers itself cannot build
+            continue
+        checked += 1
+        try:
+            assert auto_budget.predicted_step_bytes(config, dtype=torch.bfloat16, tokens=8, fused_loss=False) > 0
+        except (TypeError, ValueError, AttributeError) as error:
+            unpredicted[model_type] = str(error)
+    assert checked > 190 and not unpredicted, unpredicted
+    gpt2 = auto_budget.LayerShape.from_config(AutoConfig.for_model("gpt2"))
+    assert gpt2.intermediate == 4 * gpt2.hidden
+
+
+def test_auto_says_when_the_reserve_cannot_be_predicted(fake_device_memory, monkeypatch, caplog):
+    """A config the formula cannot read: the budget keeps only its margin, and says so once."""
+    model = tiny_model(num_hidden_layers=LAYERS)
+    enable_sim(model, max_device_bytes="auto")
+
+    def unreadable(config):
+        raise ValueError("config of model_type 'llama' has no usable vocab")
+
+    monkeypatch.setattr(auto_budget.LayerShape, "from_config", unreadable)
+    with caplog.at_level(logging.WARNING, logger="hf_offload"):
+        for seed in (1, 2):
+            train_step(model, batch(seed=seed))
+    said = [r.getMessage() for r in caplog.records if "cannot predict" in r.getMessage()]
+    assert len(said) == 1 and "vocab" in said[0] and "max_device_bytes=<bytes>" in said[0]

@@ -16,7 +16,15 @@ import types
 
 import pytest
 import torch
-from conftest import VOCAB, assert_bit_identical, enable_sim, quiet_training_args, tiny_model, twin
+from conftest import (
+    VOCAB,
+    assert_bit_identical,
+    directional_derivatives,
+    enable_sim,
+    quiet_training_args,
+    tiny_model,
+    twin,
+)
 from peft import LoraConfig, get_peft_model
 from test_tiling import FLOAT64, SEQ, TILE, assert_close, build, ids, step
 from transformers import LlamaForCausalLM
@@ -148,37 +156,13 @@ def lora_everywhere_with_dropout():
     return model
 
 
-def directional_derivatives(model, seed: int = 5, epsilon: float = 1e-3) -> tuple[float, float]:
-    """(analytic, central finite difference) of the reported loss along a random direction of
-    the trainable parameters, the random state reseeded before every forward."""
-    inputs = ids()
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    direction = [torch.randn(p.shape, dtype=p.dtype, generator=torch.Generator().manual_seed(i)) for i, p in
-                 enumerate(trainable)]  # fmt: skip
-
-    def loss_at(shift: float) -> torch.Tensor:
-        with torch.no_grad():
-            for p, d in zip(trainable, direction, strict=True):
-                p.add_(d, alpha=shift)
-        torch.manual_seed(seed)
-        loss = model(input_ids=inputs, labels=inputs).loss
-        with torch.no_grad():
-            for p, d in zip(trainable, direction, strict=True):
-                p.sub_(d, alpha=shift)
-        return loss
-
-    model.zero_grad(set_to_none=True)
-    loss_at(0.0).backward()
-    analytic = sum(float((p.grad * d).sum()) for p, d in zip(trainable, direction, strict=True))
-    # With grad on, as in training: tiling runs only there.
-    difference = (float(loss_at(epsilon)) - float(loss_at(-epsilon))) / (2 * epsilon)
-    return analytic, difference
+BATCH_INPUTS = {"input_ids": ids(), "labels": ids()}
 
 
 def test_the_gradient_is_that_of_the_loss_reported_with_dropout_everywhere():
     """Dropout in every LoRA layer (projections, MLP, lm_head), tiled: the analytic directional
     derivative equals the finite difference of the reported loss."""
-    analytic, difference = directional_derivatives(lora_everywhere_with_dropout())
+    analytic, difference = directional_derivatives(lora_everywhere_with_dropout(), BATCH_INPUTS)
     assert abs(analytic) > 1e-3
     assert analytic == pytest.approx(difference, rel=1e-2)
 
@@ -194,7 +178,7 @@ def test_a_loss_head_that_drew_new_dropout_masks_in_backward_is_caught(monkeypat
         return original(self, index)
 
     monkeypatch.setattr(Replay, "replaying", fresh_masks_in_the_loss_head)
-    analytic, difference = directional_derivatives(lora_everywhere_with_dropout())
+    analytic, difference = directional_derivatives(lora_everywhere_with_dropout(), BATCH_INPUTS)
     assert analytic != pytest.approx(difference, rel=1e-2)
 
 
@@ -375,3 +359,59 @@ def test_a_tiled_and_offloaded_model_pickles_and_copies_with_its_features(how):
     assert torch.equal(loss, copied_loss) and output.logits is None
     assert_bit_identical(grads, copied_grads)
     assert copied.activation_offloading_stats().offloaded_tensors > 0
+
+
+# -- torch.compile ------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fresh_dynamo():
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def two_lengths_of_training(model):
+    """Two steps at different lengths (dynamic shapes): losses, gradients, outputs."""
+    return [step(model, ids(seed=seed, seq=length)) for seed, length in ((1, SEQ), (2, SEQ + 24))]
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_compiled_model_with_tiling_and_offloading_equals_eager(caplog):
+    """torch.compile(model) with both features: the tiled steps run the model eagerly (said once,
+    truthfully), equal to the eager model bit for bit, the loss still tiled."""
+    eager = build("llama", dtype=torch.float32, checkpointing="non_reentrant")
+    hf_offload.enable_sequence_tiling(eager, tile_tokens=TILE)
+    enable_sim(eager)
+    compiled_model = twin(eager)
+    compiled = torch.compile(compiled_model, backend="aot_eager", dynamic=True)
+    with caplog.at_level(logging.WARNING, logger="hf_offload"):
+        expected, actual = two_lengths_of_training(eager), two_lengths_of_training(compiled)
+    for (loss, grads, _), (compiled_loss, compiled_grads, output) in zip(expected, actual, strict=True):
+        assert torch.equal(loss, compiled_loss) and output.logits is None
+        assert_bit_identical(grads, {name.removeprefix("_orig_mod."): g for name, g in compiled_grads.items()})
+    said = [r.getMessage() for r in caplog.records if "torch.compile" in r.getMessage()]
+    assert len(said) == 1 and "runs eagerly" in said[0] and "layer.compile()" in said[0]
+    assert compiled_model.activation_offloading_stats().offloaded_tensors > 0
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_compiled_layers_with_tiling_and_offloading():
+    """Decoder layers compiled one by one: the tiled parts break their graphs and run eagerly;
+    offloading on top (enabled on the same compiled model) is bit-identical to tiling alone, and
+    both are close to eager tiling."""
+    eager = build("llama", dtype=torch.float32, num_hidden_layers=1)  # (each tiled part is a graph break)
+    hf_offload.enable_sequence_tiling(eager, tile_tokens=TILE)
+    compiled = twin(eager)
+    for layer in compiled.model.layers:
+        layer.compile(backend="aot_eager", dynamic=True)
+    reference, tiled = two_lengths_of_training(eager), two_lengths_of_training(compiled)
+    enable_sim(compiled, keep_last_layers=0)
+    both = two_lengths_of_training(compiled)
+    for expected, actual, offloaded in zip(reference, tiled, both, strict=True):
+        assert torch.equal(actual[0], offloaded[0]) and offloaded[2].logits is None
+        assert_bit_identical(actual[1], offloaded[1])
+        assert_close(expected, actual, rtol=1e-4, atol=1e-6)
+    assert compiled.activation_offloading_stats().offloaded_tensors > 0

@@ -71,9 +71,9 @@ def enable_sequence_tiling(model: nn.Module, *positional: object, **options: obj
                 attentions.append(attention)
     tiles_loss = False
     if parsed.loss:
-        if not isinstance(head, nn.Module):
+        if not isinstance(head, nn.Module) or isinstance(head, (nn.ModuleList, nn.ModuleDict)):
             name = type(target).__name__
-            logger.warning("hf_offload: %s has no output embeddings (lm_head): its loss is not tiled", name)
+            logger.warning("hf_offload: %s has no single output embedding (lm_head): its loss is not tiled", name)
         elif fused_linear_cross_entropy_in_use(target):
             logger.info("hf_offload: Liger's fused linear cross-entropy computes the loss: the loss head is left to it")
         else:

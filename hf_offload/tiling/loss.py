@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from .. import instance_forward
+from ..compiling import under_torch_compile
 from .gradients import Targets, backward_by_slices, refuse_double_backward
 from .replay import Replay
 
@@ -321,7 +322,14 @@ class LossSlot:
 
         @torch.compiler.disable(reason=_UNDER_COMPILE)
         def deferred_head(hidden, *args, **kwargs):
-            if slot._slicing or args or kwargs or not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
+            if slot._slicing:
+                return head_forward(hidden, *args, **kwargs)
+            if args or kwargs or not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
+                slot.warn_once(
+                    "head_input",
+                    f"hf_offload: {slot.model_name} calls its lm_head with other than (batch, tokens, hidden) hidden "
+                    "states alone; its loss runs untiled",
+                )
                 return head_forward(hidden, *args, **kwargs)
             # The logits' dtype and width, from one token, drawing no random numbers (LoRA dropout).
             with torch.no_grad(), torch.random.fork_rng(devices=_devices_of(hidden), device_type=hidden.device.type):
@@ -412,15 +420,20 @@ def _without_deferred(output):
     return output
 
 
+@torch.compiler.disable(recursive=False, reason=_UNDER_COMPILE)
 def tiled_loss_forward(self: nn.Module, *args, **kwargs):
     """The causal LM's forward, with the tiled loss in a training step with labels (bound to the
-    model instance)."""
+    model instance).
+
+    Under torch.compile the deferred logits cannot flow through a compiled graph, so a step that
+    tiles the loss runs the model's forward eagerly (decoder layers compiled one by one still
+    compile), and says so once; evaluation and generate compile as usual."""
     slot: LossSlot = self.__dict__[LOSS_STATE_ATTR]
     forward = slot.forward_of(self)
     labels = kwargs.get("labels")
     if not slot.active or labels is None or not (self.training and torch.is_grad_enabled()):
         return forward(*args, **kwargs)
-    if torch.is_tensor(labels) and labels.shape[-1] <= slot.tile_for(self):
+    if torch.is_tensor(labels) and labels.shape[min(1, labels.dim() - 1)] <= slot.tile_for(self):
         return forward(*args, **kwargs)  # one slice: tiling would recompute the head and save nothing
     from transformers.loss.loss_utils import ForCausalLMLoss
 
@@ -431,6 +444,15 @@ def tiled_loss_forward(self: nn.Module, *args, **kwargs):
             "not transformers' ForCausalLMLoss: the tiled loss leaves it as it is",
         )
         return forward(*args, **kwargs)
+    if under_torch_compile():
+        slot.warn_once(
+            "compile",
+            f"hf_offload: under torch.compile, {slot.model_name}'s forward runs eagerly in training steps whose "
+            "loss sequence tiling computes (its logits never exist whole, which a compiled graph cannot hold); "
+            "to compile the decoder, compile its layers one by one (layer.compile()), or keep the loss untiled "
+            "(enable_sequence_tiling(loss=False))",
+        )
+        forward = torch.compiler.disable(forward, reason=_UNDER_COMPILE)
     with slot.deferring(self):
         output = forward(*args, **kwargs)
     return _without_deferred(output)
