@@ -193,11 +193,13 @@ def scenario_ddp(enable_after_wrap: bool = False) -> dict:
     return compare(plain_run, offloaded_run, offloaded)
 
 
-def shard(model: torch.nn.Module) -> None:
+def shard(model: torch.nn.Module, lm_head_unit: bool = False) -> None:
     from torch.distributed.fsdp import fully_shard
 
     for layer in model.model.layers:
         fully_shard(layer)
+    if lm_head_unit:  # lm_head its own unit: unsharded only in its own calls, the tiled loss's slices included
+        fully_shard(model.lm_head)
     fully_shard(model)
 
 
@@ -227,29 +229,8 @@ def scenario_fsdp1(use_orig_params: bool, enable_after_wrap: bool = False, check
     gathers them again into the same storage in backward; none of that may reach the engine.
     `checkpoint_wrappers` then applies activation checkpointing the way accelerate's FSDP plugin
     does (non-reentrant checkpoint_wrapper around each decoder layer inside its FSDP1 unit)."""
-    import functools
-
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-        CheckpointImpl,
-        apply_activation_checkpointing,
-        checkpoint_wrapper,
-    )
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-
     def wrap(model: torch.nn.Module) -> torch.nn.Module:
-        policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer})
-        wrapped = FSDP(model, auto_wrap_policy=policy, device_id=torch.device("cpu"), use_orig_params=use_orig_params)
-        if checkpoint_wrappers:
-            apply_activation_checkpointing(
-                wrapped,
-                checkpoint_wrapper_fn=functools.partial(
-                    checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT
-                ),
-                check_fn=lambda module: isinstance(module, LlamaDecoderLayer),
-            )
-        return wrapped
+        return fsdp1_wrap(model, use_orig_params, checkpoint_wrappers)
 
     plain, offloaded = twins()
     if not enable_after_wrap:
@@ -264,6 +245,30 @@ def scenario_fsdp1(use_orig_params: bool, enable_after_wrap: bool = False, check
     result["fsdp_class"] = type(offloaded.model.layers[0]).__name__
     result["wrapped_layer_class"] = type(getattr(offloaded, hf_offload.api.MODEL_STATE_ATTR).layers[0]).__name__
     return result
+
+
+def fsdp1_wrap(model: torch.nn.Module, use_orig_params: bool, checkpoint_wrappers: bool = False) -> torch.nn.Module:
+    """FSDP1, one unit per decoder layer and one for the rest, on the CPU."""
+    import functools
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={LlamaDecoderLayer})
+    wrapped = FSDP(model, auto_wrap_policy=policy, device_id=torch.device("cpu"), use_orig_params=use_orig_params)
+    if checkpoint_wrappers:
+        apply_activation_checkpointing(
+            wrapped,
+            checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
+            check_fn=lambda module: isinstance(module, LlamaDecoderLayer),
+        )
+    return wrapped
 
 
 def fsdp1_full(wrapped: torch.nn.Module) -> tuple[dict, dict]:
@@ -340,7 +345,7 @@ def scenario_accelerate() -> dict:
     return result
 
 
-def scenario_zero3() -> dict:
+def scenario_zero3(tiling: bool = False) -> dict:
     """DeepSpeed ZeRO-3 (needs `deepspeed`; DS_ACCELERATOR=cpu, gloo). The model is built under
     deepspeed.zero.Init, as transformers does for ZeRO-3, which also swaps F.linear for
     LinearFunctionForZeroStage3: it saves the weight Parameter itself, so that ZeRO-3 can free the
@@ -366,9 +371,11 @@ def scenario_zero3() -> dict:
         "zero_allow_untested_optimizer": True,
     }
 
-    def run(offload: bool):
+    def run(offload: bool, tiled: bool = False):
         with deepspeed.zero.Init(config_dict_or_path=config):
             model = tiny_model("llama", seed=0)
+        if tiled:
+            hf_offload.enable_sequence_tiling(model, tile_tokens=TILE)
         if offload:
             enable_sim(model)
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
@@ -409,6 +416,28 @@ def scenario_zero3() -> dict:
                 weights[name] = param.detach().clone()
         return (losses, grads, weights), model, alive, len(gathered)
 
+    if tiling:
+        # Tiled (3 slices, every part and the loss head) against untiled, and tiled + offloaded
+        # against tiled alone; the loss head's slices gather lm_head's weight, the MLP's slices
+        # their projections' (ZeRO-3 hooks), and ZeRO-3 reduces each gradient once.
+        untiled_run, *_ = run(offload=False)
+        tiled_run, tiled, tiled_alive, count = run(offload=False, tiled=True)
+        offloaded_run, offloaded, alive, _ = run(offload=True, tiled=True)
+        result = compare(tiled_run, offloaded_run, offloaded)
+        close = [
+            torch.allclose(a[name], b[name], rtol=1e-4, atol=1e-6)
+            for a, b in zip(untiled_run[1], tiled_run[1], strict=True)
+            for name in a
+        ]
+        result.update(
+            close_to_untiled=bool(close) and all(close),
+            untiled_losses=[float(x) for x in untiled_run[0]],
+            tiled=hf_offload.is_sequence_tiling(tiled),
+            gathered_per_step=count,
+            gathered_alive_plain=tiled_alive,
+            gathered_alive_offloaded=alive,
+        )
+        return result
     plain_run, _, plain_alive, count = run(offload=False)
     offloaded_run, offloaded, alive, _ = run(offload=True)
     result = compare(plain_run, offloaded_run, offloaded)
@@ -442,9 +471,10 @@ def gradient_arrivals(model: torch.nn.Module) -> tuple[Callable[[], dict], Calla
 
 
 def scenario_tiling(wrapper: str, checkpointing: bool = False) -> dict:
-    """Sequence tiling under DDP or FSDP2: tiled and offloaded bit-identical to tiled alone (the
-    same collectives), both close to untiled training, and each parameter's gradient arriving once
-    per step, as DDP's reducer and FSDP2's reduce-scatter expect."""
+    """Sequence tiling under DDP, FSDP2 (lm_head in the root unit, or a unit of its own) or FSDP1
+    (flat parameters, or use_orig_params): tiled and offloaded bit-identical to tiled alone (the
+    same collectives), both close to untiled training, and under DDP each parameter's gradient
+    arriving once per step, as its reducer expects."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     untiled, tiled, offloaded = (tiny_model("llama", seed=0) for _ in range(3))
@@ -458,21 +488,27 @@ def scenario_tiling(wrapper: str, checkpointing: bool = False) -> dict:
     def wrapped(model):
         if wrapper == "ddp":
             return DDP(model)
-        shard(model)
+        if wrapper.startswith("fsdp1"):
+            return fsdp1_wrap(model, use_orig_params=wrapper == "fsdp1_orig_params")
+        shard(model, lm_head_unit=wrapper == "fsdp2_lm_head")
         return model
+
+    full = fsdp1_full if wrapper.startswith("fsdp1") else None
 
     # DDP keeps the parameters, so the count reads what its reducer sees; FSDP2 swaps them for
     # sharded ones and sets their gradients itself, so only parity speaks for it.
     read, remove = gradient_arrivals(tiled) if wrapper == "ddp" else (dict, lambda: None)
     arrivals = []
-    untiled_run = train(wrapped(untiled), untiled)
-    tiled_run = train(wrapped(tiled), tiled, step_fn=lambda loss: (loss.backward(), arrivals.append(read())))
+    untiled_run = train(wrapped(untiled), untiled, full=full)
+    tiled_run = train(
+        wrapped(tiled), tiled, step_fn=lambda loss: (loss.backward(), arrivals.append(read())), full=full
+    )
     remove()
     with WATCH.watching(offloaded):
-        offloaded_run = train(wrapped(offloaded), offloaded)
+        offloaded_run = train(wrapped(offloaded), offloaded, full=full)
     result = compare(tiled_run, offloaded_run, offloaded)
     close = [
-        torch.allclose(a[name], b[name], rtol=1e-4, atol=1e-6)
+        name in b and torch.allclose(a[name], b[name], rtol=1e-4, atol=1e-6)
         for a, b in zip(untiled_run[1], tiled_run[1], strict=True)
         for name in a
     ]
@@ -515,6 +551,33 @@ def tiles_accumulated_one_by_one() -> Iterator[None]:
         per_token._TiledMLP.backward = original
 
 
+@contextlib.contextmanager
+def tiling_sees_parameters_only() -> Iterator[None]:
+    """A deliberately broken tiling that looks for the tensors needing gradients among registered
+    parameters only: inside an FSDP1 unit with flat parameters a module has none, so its weights'
+    views would get no gradient (the companion of fsdp1_tiling's parity)."""
+    from hf_offload.tiling import gradients
+
+    original = gradients.Targets.of
+
+    def parameters_only(module, extra=()):
+        targets = original(module, extra)
+        pairs = zip(targets.places, targets.tensors, strict=True)
+        kept = [(place, tensor) for place, tensor in pairs if isinstance(tensor, torch.nn.Parameter)]
+        return gradients.Targets([place for place, _ in kept], [tensor for _, tensor in kept], targets.zero3)
+
+    gradients.Targets.of = staticmethod(parameters_only)
+    try:
+        yield
+    finally:
+        gradients.Targets.of = original
+
+
+def scenario_fsdp1_tiling_parameters_only() -> dict:
+    with tiling_sees_parameters_only():
+        return scenario_tiling("fsdp1")
+
+
 def scenario_tiling_accumulated_per_slice() -> dict:
     with tiles_accumulated_one_by_one():
         return scenario_tiling("ddp")
@@ -537,9 +600,14 @@ SCENARIOS = {
     "ddp_tiling_checkpointing": lambda: scenario_tiling("ddp", checkpointing=True),
     "fsdp2_tiling": lambda: scenario_tiling("fsdp2"),
     "fsdp2_tiling_checkpointing": lambda: scenario_tiling("fsdp2", checkpointing=True),
+    "fsdp2_lm_head_tiling": lambda: scenario_tiling("fsdp2_lm_head"),
+    "fsdp1_tiling": lambda: scenario_tiling("fsdp1"),
+    "fsdp1_orig_params_tiling": lambda: scenario_tiling("fsdp1_orig_params"),
+    "fsdp1_tiling_parameters_only": scenario_fsdp1_tiling_parameters_only,
     "ddp_tiling_accumulated_per_slice": scenario_tiling_accumulated_per_slice,
 }
-OPTIONAL_SCENARIOS = {"zero3": scenario_zero3}  # run only when asked for: they need extra packages
+# Run only when asked for: they need DeepSpeed.
+OPTIONAL_SCENARIOS = {"zero3": scenario_zero3, "zero3_tiling": lambda: scenario_zero3(tiling=True)}
 
 
 def main() -> None:

@@ -193,22 +193,35 @@ def zero3(tmp_path_factory) -> list[dict]:
     pytest.importorskip("deepspeed")
     out = tmp_path_factory.mktemp("zero3") / "results.json"
     env = {"DS_ACCELERATOR": "cpu"}
-    result = torchrun(TESTS / "distributed_worker.py", "--out", str(out), "--scenarios", "zero3", env=env)
+    result = torchrun(TESTS / "distributed_worker.py", "--out", str(out), "--scenarios", "zero3,zero3_tiling", env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     ranks = sorted(json.loads(out.read_text())["ranks"], key=lambda r: r["rank"])
-    return [rank["results"]["zero3"] for rank in ranks]
+    return {name: [rank["results"][name] for rank in ranks] for name in ("zero3", "zero3_tiling")}
 
 
 def test_deepspeed_zero3_parity(zero3):
     """ZeRO-3 (model built under deepspeed.zero.Init, every parameter partitioned): loss, full
     gradients (safe_get_full_grad) and gathered final weights identical to ZeRO-3 without
     offloading; no copy to the host came from a parameter's data or partition."""
-    assert_parity_and_engaged(zero3)
+    assert_parity_and_engaged(zero3["zero3"])
+
+
+def test_sequence_tiling_under_deepspeed_zero3(zero3):
+    """Sequence tiling under ZeRO-3 (every part and the loss head, 3 slices): lm_head's slices run
+    inside a call of it, so ZeRO-3 gathers its weight; the MLP's slices call its projections,
+    which gather theirs; each partitioned parameter's gradient is reduced once, after its last
+    slice (DeepSpeed's ds_grad_is_ready protocol). Close to untiled, offloading on top
+    bit-identical, and no gathered weight left alive between forward and backward."""
+    ranks = zero3["zero3_tiling"]
+    assert_parity_and_engaged(ranks)
+    for result in ranks:
+        assert result["tiled"] and result["close_to_untiled"], (result["losses"], result["untiled_losses"])
+        assert result["gathered_alive_plain"] == result["gathered_alive_offloaded"] == [0, 0]
 
 
 def test_deepspeed_zero3_gathered_weights_are_released(zero3):
     """Between forward and backward, as many gathered weights are alive as without offloading (none)."""
-    for result in zero3:
+    for result in zero3["zero3"]:
         assert result["gathered_per_step"] > 0
         assert result["gathered_alive_plain"] == [0, 0]
         assert result["gathered_alive_offloaded"] == result["gathered_alive_plain"]
@@ -256,11 +269,22 @@ def test_accelerate_example_under_accelerate_launch():
 
 
 @pytest.mark.parametrize(
-    "scenario", ["ddp_tiling", "ddp_tiling_checkpointing", "fsdp2_tiling", "fsdp2_tiling_checkpointing"]
+    "scenario",
+    [
+        "ddp_tiling",
+        "ddp_tiling_checkpointing",
+        "fsdp2_tiling",
+        "fsdp2_tiling_checkpointing",
+        "fsdp2_lm_head_tiling",
+        "fsdp1_tiling",
+        "fsdp1_orig_params_tiling",
+    ],
 )
-def test_sequence_tiling_under_ddp_and_fsdp2(runs, scenario):
-    """Sequence tiling (3 slices) under DDP and FSDP2, with and without checkpointing: with
-    offloading bit-identical to tiling alone, close to untiled training (the all-reduced or
+def test_sequence_tiling_under_ddp_and_fsdp(runs, scenario):
+    """Sequence tiling (3 slices) under DDP, FSDP2 (with lm_head in the root unit, and as a unit of
+    its own, unsharded only in its own calls) and FSDP1 (flat parameters, whose modules hold
+    views of them instead of parameters; and use_orig_params), with and without checkpointing:
+    with offloading bit-identical to tiling alone, close to untiled training (the all-reduced or
     reduce-scattered gradients included); under DDP every trainable parameter's gradient is
     accumulated exactly once per step, which is what its reducer hooks onto."""
     ranks = runs[scenario]
@@ -278,3 +302,11 @@ def test_a_tiling_that_accumulated_per_slice_would_be_refused_by_ddp(runs):
     parameter ready more than once and raises."""
     for result in runs["ddp_tiling_accumulated_per_slice"]:
         assert "error" in result and "mark a variable ready only once" in result["error"], result.get("error")
+
+
+def test_a_tiling_blind_to_fsdp1_flat_parameter_views_would_drop_their_gradients(runs):
+    """Companion: looking only at registered parameters, the tiled modules inside FSDP1 units with
+    flat parameters pass none to the tiled Function, and their weights get no gradient."""
+    for result in runs["fsdp1_tiling_parameters_only"]:
+        assert "error" not in result, result.get("error")
+        assert not result["close_to_untiled"]

@@ -74,25 +74,31 @@ def test_the_forward_signature_is_the_models_own_through_peft_and_accelerate():
     assert inspect.signature(prepared.forward) == before
 
 
-def trainer_losses(tmp_path, model, **overrides):
+def trainer_losses(tmp_path, model, collator=None):
     from transformers import Trainer, TrainingArguments
 
     data = [{"input_ids": row, "labels": row, "attention_mask": torch.ones_like(row)} for row in ids(seed=3, batch=8)]
-    arguments = TrainingArguments(**quiet_training_args(tmp_path, **overrides))
-    trainer = Trainer(model=model, args=arguments, train_dataset=data)
+    if collator is not None:  # packing collators take lists of ids
+        data = [{key: value.tolist() for key, value in example.items() if key != "attention_mask"} for example in data]
+    arguments = TrainingArguments(**quiet_training_args(tmp_path))
+    trainer = Trainer(model=model, args=arguments, train_dataset=data, data_collator=collator)
     trainer.train()
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
 
-@pytest.mark.parametrize("tuning", ["full", "lora"])
-def test_the_trainer_with_its_default_arguments_trains_a_tiled_model(tmp_path, tuning):
-    """remove_unused_columns=True (the default) keeps the columns the forward's signature names:
-    the tiled run trains, and logs the untiled run's losses."""
+@pytest.mark.parametrize("tuning,collator", [("full", None), ("lora", None), ("lora", "DataCollatorWithFlattening")])
+def test_the_trainer_with_its_default_arguments_trains_a_tiled_model(tmp_path, tuning, collator):
+    """remove_unused_columns=True (the default) keeps the columns the forward's signature names,
+    also for a PeftModel and with a packing collator: the tiled run trains, and logs the untiled
+    run's losses."""
+    import transformers
+
     plain = build("llama", dtype=torch.float32, tuning=tuning)
     tiled = twin(plain)
     hf_offload.enable_sequence_tiling(tiled, tile_tokens=TILE)
-    expected = trainer_losses(tmp_path / "plain", plain)
-    actual = trainer_losses(tmp_path / "tiled", tiled)
+    make = getattr(transformers, collator) if collator else None
+    expected = trainer_losses(tmp_path / "plain", plain, make and make())
+    actual = trainer_losses(tmp_path / "tiled", tiled, make and make())
     assert len(actual) == len(expected) == 3
     torch.testing.assert_close(torch.tensor(actual), torch.tensor(expected), rtol=1e-4, atol=1e-5)
 
@@ -114,37 +120,42 @@ def test_generate_keeps_only_the_last_logits_under_tiling():
 # -- autocast and random numbers: backward recomputes what forward computed ----------------------
 
 
-def head_dtypes(model):
-    """The dtype of every lm_head output in one step, in forward and in backward."""
+def slice_logits_dtypes(monkeypatch):
+    """The dtype of every slice's logits the tiled loss computes, in forward and in backward."""
     from hf_offload.engine import in_backward
 
     seen = []
-    model.lm_head.register_forward_hook(lambda module, args, output: seen.append((in_backward(), output.dtype)))
+    original = loss_tiling._cross_entropy_sum
+
+    def spying(logits, labels, ignore_index):
+        seen.append((in_backward(), logits.dtype))
+        return original(logits, labels, ignore_index)
+
+    monkeypatch.setattr(loss_tiling, "_cross_entropy_sum", spying)
     return seen
 
 
-def test_the_loss_head_recomputes_under_the_forwards_autocast():
-    """float32 weights under bf16 autocast (the Trainer's bf16=True): lm_head's slices give bf16
-    logits in forward, and again in backward."""
+def bf16_autocast_step_on_float32_weights():
     model = build("llama", dtype=torch.float32)
     hf_offload.enable_sequence_tiling(model, tile_tokens=TILE, mlp=False, norms=False, projections=False)
-    seen = head_dtypes(model)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = model(input_ids=ids(), labels=ids()).loss
     loss.backward()
-    backward = [dtype for in_bwd, dtype in seen if in_bwd]
-    assert len(backward) == SEQ // TILE and set(backward) == {torch.bfloat16}
+
+
+def test_the_loss_head_recomputes_under_the_forwards_autocast(monkeypatch):
+    """float32 weights under bf16 autocast (the Trainer's bf16=True): each slice's logits are bf16
+    in forward, and again in backward."""
+    seen = slice_logits_dtypes(monkeypatch)
+    bf16_autocast_step_on_float32_weights()
+    assert seen == [(False, torch.bfloat16)] * (SEQ // TILE) + [(True, torch.bfloat16)] * (SEQ // TILE)
 
 
 def test_without_the_autocast_replay_the_head_would_recompute_in_float32(monkeypatch):
     """Companion: a backward that did not restore autocast is caught by the check above."""
     monkeypatch.setattr(Replay, "_autocast", lambda self: torch.autocast("cpu", enabled=False))
-    model = build("llama", dtype=torch.float32)
-    hf_offload.enable_sequence_tiling(model, tile_tokens=TILE, mlp=False, norms=False, projections=False)
-    seen = head_dtypes(model)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = model(input_ids=ids(), labels=ids()).loss
-    loss.backward()
+    seen = slice_logits_dtypes(monkeypatch)
+    bf16_autocast_step_on_float32_weights()
     assert {dtype for in_bwd, dtype in seen if in_bwd} == {torch.float32}
 
 
@@ -280,10 +291,10 @@ def test_transforms_of_the_logits_give_the_untiled_loss_and_gradients(name, capl
 # -- module hooks on lm_head run for its slices ----------------------------------------------------
 
 
-def test_lm_head_slices_run_through_its_hooks():
-    """Its hooks (where ZeRO-3 gathers, FSDP unshards, accelerate moves offloaded weights, users
-    observe) run for every slice, in forward and in backward; an output hook that changes the
-    logits changes each slice's once, as it changes the whole logits untiled."""
+def test_lm_head_slices_run_inside_a_call_of_it():
+    """The slices are computed inside one call of lm_head in forward and one in backward, so that
+    its hooks (where ZeRO-3 gathers, FSDP unshards, users observe) run around them; an output hook
+    that changes the logits changes each slice's once, as it changes the whole logits untiled."""
     plain, tiled = build("llama"), build("llama")
     for model in (plain, tiled):
         model.lm_head.register_forward_hook(lambda module, args, output: output * 0.5)
@@ -292,7 +303,7 @@ def test_lm_head_slices_run_through_its_hooks():
     tiled.lm_head.register_forward_pre_hook(lambda module, args: calls.append(args[0].shape[1]))
     expected, actual = step(plain), step(tiled)
     assert_close(expected, actual, **FLOAT64)
-    assert calls == [SEQ] + [TILE] * (SEQ // TILE) * 2  # the model's call, forward's slices, backward's
+    assert calls == [SEQ] * 3  # the model's call, then one around forward's slices and one around backward's
 
 
 # -- bad input keeps transformers' errors ----------------------------------------------------------

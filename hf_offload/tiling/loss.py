@@ -172,34 +172,47 @@ def _replay(logits: torch.Tensor, ops: tuple) -> torch.Tensor:
 @dataclass
 class _Source:
     """The hidden states lm_head was given, the head module (whatever it is now: with LoRA on
-    lm_head, PEFT's) and its own forward, and the tensors it needs gradients for, found inside
-    its call.
+    lm_head, PEFT's) and the forward its call ran, and the tensors it needs gradients for, found
+    inside its call.
 
-    Ops recorded before the head's call returns (by its forward hooks, or a forward wrapped around
-    it) are the call's own: a slice computed by calling the head gets them from the call again, so
-    they are not replayed on top. `call_ops` is set when the call returns."""
+    The slices are computed by that forward, inside one call of the head (`inside_a_call`): the
+    head's hooks run around them, once, as around any call of it (ZeRO-3 gathers its weight,
+    FSDP unshards it, a user's hook sees a call on the whole hidden states), and the ops recorded
+    on the deferred logits, those of the head's own output hooks included, are replayed on every
+    slice. Forwards that wrap the head's (accelerate's device hooks) are part of that forward,
+    and run for every slice."""
 
     hidden: torch.Tensor
     head: nn.Module
     head_forward: object
     targets: Targets
+    like: torch.Tensor  # the logits' shape and dtype, over one element
     slot: LossSlot
-    call_ops: tuple | None = None  # None while the head's call is still running
+    in_call: bool = True  # until the head's call returns: its hooks may still be recording
 
-    def call_head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """lm_head on part of the hidden states, through its call (its hooks run)."""
-        with self.slot.slicing():
-            return self.head(hidden)
+    def inside_a_call(self, work):
+        """`work()`, run inside one call of the head on the whole hidden states."""
+        head, done = self.head, []
 
-    def after_call(self, ops: tuple) -> tuple:
-        """The ops to replay on what a call of the head returns."""
-        return ops[len(self.call_ops) :]
+        def driving(*args, **kwargs):
+            done.append(work())
+            return DeferredLogits(self.like, self)  # for the head's output hooks: holds nothing
+
+        previous = head.__dict__.get("forward")
+        head.forward = driving
+        try:
+            head(self.hidden)
+        finally:
+            if previous is None:
+                head.__dict__.pop("forward", None)
+            else:
+                head.forward = previous
+        return done[0]
 
     def logits(self, ops: tuple) -> torch.Tensor:
-        if self.call_ops is None:  # inside the head's call: its own forward, then what was recorded so far
-            with self.slot.slicing():
-                return _replay(self.head_forward(self.hidden), ops)
-        return _replay(self.call_head(self.hidden), self.after_call(ops))
+        if self.in_call:  # a hook of the head's call: its parameters are there for this call already
+            return _replay(self.head_forward(self.hidden), ops)
+        return self.inside_a_call(lambda: _replay(self.head_forward(self.hidden), ops))
 
     def note_materialised(self, func) -> None:
         name = func if isinstance(func, str) else getattr(func, "__name__", func)
@@ -212,8 +225,8 @@ class _Source:
 
 def _end_of_head_call(module: nn.Module, args, output) -> None:
     """lm_head's last forward hook while the model's forward defers its logits."""
-    if isinstance(output, DeferredLogits) and output.source.call_ops is None:
-        output.source.call_ops = output.ops
+    if isinstance(output, DeferredLogits):
+        output.source.in_call = False
 
 
 def _cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
@@ -236,7 +249,7 @@ class _LossRun:
     replay: Replay | None = None
 
     def slice_loss(self, hidden: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-        logits = _replay(self.source.call_head(hidden), self.source.after_call(self.ops))
+        logits = _replay(self.source.head_forward(hidden), self.ops)
         return _cross_entropy_sum(logits, self.labels[:, start:stop], self.ignore_index)
 
 
@@ -246,12 +259,16 @@ class _TiledLoss(torch.autograd.Function):
         ctx.run = run
         ctx.save_for_backward(hidden)
         run.replay = Replay(hidden.device)
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        last = len(run.bounds) - 1
-        for index, (start, stop) in enumerate(run.bounds):
-            total = total + run.slice_loss(hidden[:, start:stop], start, stop)
-            run.replay.slice_done(last=index == last)
-        return total / run.divisor
+
+        def slices():
+            total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+            last = len(run.bounds) - 1
+            for index, (start, stop) in enumerate(run.bounds):
+                total = total + run.slice_loss(hidden[:, start:stop], start, stop)
+                run.replay.slice_done(last=index == last)
+            return total
+
+        return run.source.inside_a_call(slices) / run.divisor
 
     @staticmethod
     def backward(ctx, grad_loss):
@@ -263,8 +280,10 @@ class _TiledLoss(torch.autograd.Function):
             start, stop = run.bounds[index]
             return [(run.slice_loss(leaf, start, stop) / run.divisor, grad_loss)]
 
-        grad_hidden, sums = backward_by_slices(
-            hidden, run.bounds, ctx.needs_input_grad[1], run.targets, run.replay.replaying, recompute
+        grad_hidden, sums = run.source.inside_a_call(
+            lambda: backward_by_slices(
+                hidden, run.bounds, ctx.needs_input_grad[1], run.targets, run.replay.replaying, recompute
+            )
         )
         return (None, grad_hidden, *sums)
 
@@ -278,11 +297,10 @@ class LossSlot:
         self.model_name = model_name
         self.active = True  # False: disabled while another wrapper still holds ours (a pass-through)
         self._warned: set[str] = set()
-        self._slicing = 0  # > 0: lm_head is being called for a slice, and computes
 
     def __getstate__(self) -> dict:
         # A pickled or deep-copied model says its notices again.
-        return {**self.__dict__, "_warned": set(), "_slicing": 0}
+        return {**self.__dict__, "_warned": set()}
 
     def tile_for(self, model: nn.Module) -> int:
         if self.tile_tokens is not None:
@@ -302,14 +320,6 @@ class LossSlot:
             logger.log(level, message)
 
     @contextlib.contextmanager
-    def slicing(self):
-        self._slicing += 1
-        try:
-            yield
-        finally:
-            self._slicing -= 1
-
-    @contextlib.contextmanager
     def deferring(self, model: nn.Module) -> contextlib.AbstractContextManager:
         """For one forward: lm_head returns deferred logits and the loss function computes the
         tiled loss. Both are put back afterwards, whatever happens."""
@@ -322,8 +332,6 @@ class LossSlot:
 
         @torch.compiler.disable(reason=_UNDER_COMPILE)
         def deferred_head(hidden, *args, **kwargs):
-            if slot._slicing:
-                return head_forward(hidden, *args, **kwargs)
             if args or kwargs or not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
                 slot.warn_once(
                     "head_input",
@@ -335,7 +343,7 @@ class LossSlot:
             with torch.no_grad(), torch.random.fork_rng(devices=_devices_of(hidden), device_type=hidden.device.type):
                 first = head_forward(hidden[:, :1])
             like = first.expand(hidden.shape[0], hidden.shape[1], first.shape[-1])
-            return DeferredLogits(like, _Source(hidden, head, head_forward, Targets.of(head), slot))
+            return DeferredLogits(like, _Source(hidden, head, head_forward, Targets.of(head), like, slot))
 
         @torch.compiler.disable(reason=_UNDER_COMPILE)
         def tiled_loss(logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=-100,
