@@ -266,3 +266,26 @@ def test_trl_sft_example_runs():
     assert "deterministic kernels: none needed on cpu" in result.stdout
     assert "identical to the run without offloading: yes" in result.stdout
     assert "offloaded:" in result.stdout
+
+
+@pytest.mark.parametrize("tuning", ["full", "lora"])
+def test_sft_trainer_with_sequence_tiling_logs_the_untiled_run(tmp_path, tuning):
+    """SFTTrainer on a tiled model (slices of 4 tokens, offloading on too): TRL's own fused LM head
+    computes the loss and its metrics from the final hidden states, the layers' per-token parts
+    run tiled; every logged value is close to the untiled run's (under TRL's default bf16
+    autocast, where a slice's matmuls round differently from the whole sequence's)."""
+    base = lm_model()
+    plain, tiled = base, twin(base)
+    hf_offload.enable_sequence_tiling(tiled, tile_tokens=4)
+    enable_sim(tiled)
+    options = dict(peft_config=lora_config() if tuning == "lora" else None, conversational=tuning == "lora")
+    torch.manual_seed(3)
+    expected = run_sft(plain, tmp_path / "plain", **options)
+    torch.manual_seed(3)
+    trainer = run_sft(tiled, tmp_path / "tiled", **options)
+    assert trainer.model.is_sequence_tiling
+    actual, reference = logged(trainer), logged(expected)
+    assert [sorted(entry) for entry in actual] == [sorted(entry) for entry in reference]
+    for mine, theirs in zip(actual, reference, strict=True):
+        for key, value in theirs.items():
+            assert mine[key] == pytest.approx(value, rel=1e-2), key
