@@ -176,6 +176,22 @@ def collect() -> None:
 
 
 @pytest.fixture
+def fresh_accelerate_state():
+    """accelerate keeps its state in process-wide singletons; a test using it starts from none
+    (what accelerate's own test case does between tests) and leaves none behind."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    environ = dict(os.environ)
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    os.environ.clear()
+    os.environ.update(environ)
+
+
+@pytest.fixture
 def deterministic_cuda_kernels():
     """For the GPU parity tests: without it, cuBLAS and attention backward may reduce in a
     different order from run to run, and two runs without offloading would already differ."""

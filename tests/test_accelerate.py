@@ -8,7 +8,6 @@ Two processes (prepare wrapping the model in DDP) are tested in tests/test_distr
 from __future__ import annotations
 
 import copy
-import os
 
 import pytest
 import torch
@@ -24,18 +23,7 @@ OPTIMIZER_STEPS = 2
 LAYERS = 3  # tiny_model's num_hidden_layers
 
 
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state():
-    """accelerate keeps its state in process-wide singletons; each test starts from none (what
-    accelerate's own test case does between tests)."""
-    environ = dict(os.environ)
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    os.environ.clear()
-    os.environ.update(environ)
+pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
 
 
 def dataset(micro_batches: int, batch_size: int = 2) -> torch.Tensor:

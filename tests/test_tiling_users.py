@@ -49,6 +49,7 @@ def lora(model, **options):
 # -- the forward's signature, which the Trainer and generate read ----------------------------------
 
 
+@pytest.mark.usefixtures("fresh_accelerate_state")
 def test_the_forward_signature_is_the_models_own_through_peft_and_accelerate():
     """The Trainer keeps dataset columns by `inspect.signature(model.forward)` and generate asks it
     for `logits_to_keep`: enabling tiling and offloading changes neither, on the model, on a
