@@ -370,6 +370,7 @@ class DiskStore:
         self._closer = weakref.finalize(self, _shutdown, self._file, self._work, self._threads)
         self._closing = False
         self.failure: str | None = None  # why new tensors are not taken, until the next step
+        self._warned = False  # a failed write is said once
         self._file_bytes = 0  # the file's size as last set (it only matters for truncating)
         # Counters, read into each step's statistics.
         self.bytes_written = 0
@@ -522,9 +523,9 @@ class DiskStore:
 
     def _write_failed(self, error: BaseException) -> None:
         reason = os.strerror(error.errno) if isinstance(error, OSError) and error.errno else str(error)
-        first = self.failure is None
         self.failure = reason
-        if first:
+        if not self._warned:
+            self._warned = True
             logger.warning(
                 "hf_offload: writing offloaded activations to disk_dir=%r failed (%s); the tensors in flight stay "
                 "in host memory and the rest of this step's go to host memory or stay on the device. Training goes "

@@ -212,6 +212,7 @@ class LayerGroup:
         "disk_pending",
         "disk_copies",
         "disk_bytes",
+        "refused_bytes",
         "__weakref__",
     )
 
@@ -239,6 +240,7 @@ class LayerGroup:
         self.disk_pending = 0  # file bytes of the copies decided for disk in this call
         self.disk_copies = 0
         self.disk_bytes = 0
+        self.refused_bytes = 0  # host bytes of the copies no tier took (kept 'over_budget')
 
     def protected_storages(self) -> set[int]:
         """The storages of the layer's parameters and buffers and of the model's others, read on
@@ -334,10 +336,11 @@ class LayerGroup:
         needed = rounded_size(storage_bytes)
         store = None
         if self.to_disk or engine.ledger.host_bytes + self.pending_bytes + needed > engine.host_room:
-            store = engine.disk_for(self, needed)
-            if store is None and engine.ledger.host_bytes + self.pending_bytes + needed > engine.max_host_bytes:
+            store = engine.tier_for(self, needed)
+            if store is False:
                 engine.over_budget(needed, self.pending_bytes)
                 keep("over_budget", nbytes)
+                self.refused_bytes += needed
                 return tensor.detach()
         copy = HostCopy(tensor, nbytes, storage, storage_bytes, needed, self.device, version, store)
         self.copies.append(copy)
@@ -499,8 +502,30 @@ class ActivationOffloader:
     @property
     def host_room(self) -> int:
         """Host bytes the host tier may fill: the budget, less what the disk tier's staging
-        buffers need kept free."""
+        buffers need kept free while layers go to disk in the order they come (before the first
+        step has measured anything to plan with; a plan puts the disk layers first)."""
         return self.max_host_bytes - self._staging_reserve
+
+    def tier_for(self, group: LayerGroup, nbytes: int) -> DiskStore | None | bool:
+        """Where a copy of `nbytes` goes when the plan puts its layer on disk or the host tier
+        has no room for it: the disk store, None for host memory, False for neither (it stays on
+        the device)."""
+        ledger = self.ledger
+
+        def host_fits() -> bool:
+            return ledger.host_bytes + group.pending_bytes + nbytes <= self.max_host_bytes
+
+        if group.to_disk:
+            store = self.disk_for(group, nbytes)
+            return store if store is not None else (None if host_fits() else False)
+        if self._disk_positions is not None and self.disk is not None and not host_fits():
+            # A layer the plan keeps in host memory: what fills it is the staging buffers of the
+            # disk layers' writes still in flight, which the plan counted; wait for them.
+            self.disk.wait_for_room(group.device, group.pending_bytes + nbytes, self.max_host_bytes)
+        if host_fits() and ledger.host_bytes + group.pending_bytes + nbytes <= self.host_room:
+            return None
+        store = self.disk_for(group, nbytes)
+        return store if store is not None else (None if host_fits() else False)
 
     def disk_for(self, group: LayerGroup, nbytes: int) -> DiskStore | None:
         """The disk store, if it takes a copy of `nbytes` from `group` now: room in the file, and
@@ -708,7 +733,9 @@ class ActivationOffloader:
         # (bytes it saved, bytes it brought back or None when it kept them, offloadable)
         restored = None if group.keep else group.offloaded_bytes + group.shared_bytes
         self._pass_layers.append((group.offloaded_bytes + group.kept_bytes, restored, offloadable))
-        self._pass_host_bytes.append(group.pending_bytes if not group.keep else group.kept_bytes)
+        # What the layer's copies need, wherever they went: a plan made from what got host memory
+        # alone would see no need for the disk after a step that had no room.
+        self._pass_host_bytes.append(group.pending_bytes + group.refused_bytes if not group.keep else group.kept_bytes)
         # Earlier batches have had this whole layer's compute to finish; release their sources.
         while len(self._in_flight) > (1 if batch is not None else 0):
             owner, batch = self._in_flight.popleft()
@@ -795,7 +822,6 @@ class ActivationOffloader:
             disk_bytes=store.max_bytes - store.held_bytes,
             staging_layers=STAGING_LAYERS,
         )
-        self._staging_reserve = chosen.staging_bytes
         self.step.planned_disk_layers = chosen.disk_layers
         if chosen.host_short:
             self._warn_once(
