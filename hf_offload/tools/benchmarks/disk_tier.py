@@ -89,7 +89,9 @@ def tier_throughput(directory: str, total: int, tensor: int) -> tuple[float, flo
         if each.job is not None:  # settled already by an earlier wait
             store.wait(each.job)
     read_seconds = time.perf_counter() - started
-    intact = all(torch.equal(each.host_block.view(size)[:: 1 << 20], mark) for each, mark in zip(tensors, marks, strict=True))
+    intact = all(
+        torch.equal(each.host_block.view(size)[:: 1 << 20], mark) for each, mark in zip(tensors, marks, strict=True)
+    )
     mode = store.mode
     for each in tensors:
         context.pool.release(each.host_block)

@@ -216,7 +216,8 @@ def pinned_memory_check(device: torch.device, nbytes: int = 1 << 30) -> None:
     rounded = torch.cuda.host_memory_stats().get("reserved_bytes.all.current", 0) - before
     print(f"torch's pinned allocator: {3 * nbytes // 2} bytes asked, {rounded} reserved")
     del odd
-    for name, host in (("registered (the pool)", registered_host_empty(nbytes)), ("torch pinned", pinned_empty(nbytes))):
+    candidates = (("registered (the pool)", registered_host_empty(nbytes)), ("torch pinned", pinned_empty(nbytes)))
+    for name, host in candidates:
         if host is None:
             print(f"{name}: cudaHostRegister refused")
             continue
