@@ -401,3 +401,21 @@ def test_the_kill_check_sees_a_file_left_behind(tmp_path):
     """Companion: a file that keeps its name is found after the kill, so the check above can fail."""
     opened, left = run_and_kill(tmp_path, keep_name=True)
     assert left == ["left-behind"]
+
+
+def test_time_waited_on_a_slow_disk_is_counted_and_reads_start_further_ahead(tmp_path, monkeypatch):
+    plain, model = disk_pair(tmp_path)
+    same_step(plain, model, 0)
+    engine = model._hf_offload.engine
+    real = disk_module._preadv
+
+    def slow(fd, buffers, offset):
+        time.sleep(0.02)
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(disk_module, "_preadv", slow)
+    ahead = engine.disk_readahead_layers()
+    stats = same_step(plain, model, 1)
+    assert stats.disk_wait_seconds > 0 and stats.disk_read_gbps is not None
+    same_step(plain, model, 2)
+    assert engine.disk_readahead_layers() == ahead + 1
