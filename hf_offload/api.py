@@ -478,6 +478,7 @@ def disable_activation_offloading(model: nn.Module) -> None:
         return
     _uninstall(controller)
     delattr(target, MODEL_STATE_ATTR)
+    controller.engine.close()  # the disk tier's file and threads, the host pool's free buffers
 
 
 def is_activation_offloading(model: nn.Module) -> bool:

@@ -6,6 +6,9 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
+from .engine.disk import check_directory, free_bytes
+from .engine.pool import ALIGNMENT
+
 # Chosen by `python -m hf_offload.benchmarks.min_offload_bytes`: offloading and restoring one
 # saved tensor costs ~20 us of fixed engine work (measured 2026-12-01 on a 2-core x86 CPU,
 # torch 2.13, batches of 16 tensors per layer; ~30 us before the per-tensor work was cut), the
@@ -18,6 +21,11 @@ DEFAULT_MIN_OFFLOAD_BYTES = 512 * 1024
 # the processes of this host (torchrun and accelerate set LOCAL_WORLD_SIZE): the rest is left
 # for the data loader, the optimizer's host state and the other ranks.
 HOST_MEMORY_SHARE = 0.8
+
+
+# Share of the free space in disk_dir the disk tier may use by default, split between the
+# processes of this host like the host memory share.
+DISK_SPACE_SHARE = 0.8
 
 
 def available_host_bytes() -> int:
@@ -67,6 +75,15 @@ class OffloadOptions:
     simulate_on_cpu: treat CPU tensors as device tensors, copying them into separate host
         storage, so that the whole engine runs on a machine without an accelerator (tests, CI).
         It saves no memory.
+    disk_dir: a directory on a local disk for the disk tier (see docs/tiers.md). None (the
+        default): no disk tier. Given: what does not fit max_host_bytes goes to one file there
+        instead of staying on the device, the earliest layers first (backward needs them last),
+        read back ahead of need. The file has no name (unlinked when opened), so nothing is left
+        behind after a crash. The directory is checked when offloading is enabled: it must exist
+        and take a file that is written and read back.
+    max_disk_bytes: the most bytes the disk tier's file may hold. None (the default) means 80% of
+        the space free in disk_dir when offloading is enabled, divided by the number of processes
+        on this host (LOCAL_WORLD_SIZE). More than is free there is an error.
     """
 
     keep_last_layers: int = 1
@@ -75,6 +92,8 @@ class OffloadOptions:
     max_host_bytes: int | None = None
     max_device_bytes: int | str | None = None
     simulate_on_cpu: bool = False
+    disk_dir: str | os.PathLike | None = None
+    max_disk_bytes: int | None = None
 
     def __post_init__(self) -> None:
         _require_int("keep_last_layers", self.keep_last_layers, minimum=0)
@@ -88,6 +107,16 @@ class OffloadOptions:
                 raise ValueError(f"option max_device_bytes must be an int >= 0, 'auto' or None, got {budget!r}")
             _require_int("max_device_bytes", budget, minimum=0, or_none=True, or_auto=True)
         _require_bool("simulate_on_cpu", self.simulate_on_cpu)
+        if self.max_disk_bytes is not None:
+            _require_int("max_disk_bytes", self.max_disk_bytes, minimum=ALIGNMENT, or_none=True)
+            if self.disk_dir is None:
+                raise ValueError(
+                    f"option max_disk_bytes={self.max_disk_bytes} needs disk_dir, the directory for the disk tier"
+                )
+        if self.disk_dir is not None:
+            # Here, before enabling changes anything: a directory that cannot take the file is an
+            # error now rather than a warning in the middle of a step.
+            check_directory(self.disk_dir, self.max_disk_bytes)
 
     def engine_options(self) -> dict[str, object]:
         """The options the engine itself reads (keep_last_layers is applied by the API)."""
@@ -97,7 +126,17 @@ class OffloadOptions:
             "prefetch_layers": self.prefetch_layers,
             "max_host_bytes": default_max_host_bytes() if self.max_host_bytes is None else self.max_host_bytes,
             "max_device_bytes": self.max_device_bytes,
+            **self._disk_options(),
         }
+
+    def _disk_options(self) -> dict[str, object]:
+        if self.disk_dir is None:
+            return {}
+        directory = os.path.abspath(os.fspath(self.disk_dir))
+        max_bytes = self.max_disk_bytes
+        if max_bytes is None:
+            max_bytes = int(free_bytes(directory) * DISK_SPACE_SHARE) // local_process_count()
+        return {"disk_dir": directory, "max_disk_bytes": max_bytes}
 
     @classmethod
     def option_names(cls) -> tuple[str, ...]:

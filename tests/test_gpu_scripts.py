@@ -21,6 +21,7 @@ def test_gpu_check_runs_every_stage(capsys):
 def test_gpu_long_context_runs_every_stage(capsys):
     # 512 and 1024 tokens: the tiny model's layers are tiled in slices of 256 (its hidden size).
     args = ["--cpu-smoke", "--skip-tests", "--lengths", "512", "1024", "--tiling-lengths", "512", "1024"]
+    args += ["--stages", "peaks", "tiling"]  # the disk stage has its own test below
     assert gpu_long_context.main(args) == 0
     out = capsys.readouterr().out
     predicted = {}
@@ -37,6 +38,21 @@ def test_gpu_long_context_runs_every_stage(capsys):
     assert "== 3. sequence tiling at 512 and 1024 tokens" in out
     assert "| checkpointing+hf_offload+tiled | 512 | - |" in out
     assert "| 512 | - | - | not measured | <= 1.10x | - |" in out
+
+
+def test_gpu_long_context_disk_stage_runs_on_the_cpu(capsys):
+    """The disk tier's stage end to end on the CPU path: throughput against dd, the GPU-only checks
+    said to be skipped, and a step with most layer inputs on disk, bit-identical to host memory."""
+    assert gpu_long_context.main(["--cpu-smoke", "--stages", "disk"]) == 0
+    out = capsys.readouterr().out
+    assert "== 5. the disk tier" in out
+    assert "bytes intact: True" in out
+    assert "pinned memory: skipped: needs a CUDA device" in out
+    assert "GPUDirect Storage: skipped: needs a CUDA device" in out
+    row = next(line for line in out.splitlines() if line.startswith("| 256 |"))
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    assert int(cells[5]) > 0, "no layer went to disk"
+    assert cells[-1] == "True", "gradients through the disk tier differ from host memory"
 
 
 def test_budget_target_compares_with_the_fastest_mode_that_fits():

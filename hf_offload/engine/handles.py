@@ -13,6 +13,7 @@ import weakref
 import torch
 
 from . import ordering
+from .disk import DiskTierError
 from .pool import HostBuffer
 
 # Dtypes a tensor dense over its whole storage is copied in as itself (see `HostCopy.whole`).
@@ -34,11 +35,12 @@ COPIED_AS_ITSELF = frozenset(
 
 
 class HostLedger:
-    """Host and device memory held by one offloader, for the statistics."""
+    """Host and device memory held by one offloader, for the statistics, and the host budget."""
 
-    __slots__ = ("host_bytes", "copies_alive", "device_bytes", "peak_device_bytes")
+    __slots__ = ("host_bytes", "copies_alive", "device_bytes", "peak_device_bytes", "max_host_bytes")
 
     def __init__(self) -> None:
+        self.max_host_bytes = 0
         self.host_bytes = 0
         self.copies_alive = 0
         self.device_bytes = 0  # sources whose copy out is in flight, copies brought back ahead
@@ -61,6 +63,11 @@ class HostCopy:
     of that copy. `whole`: the saved tensor is dense over its whole storage from offset 0, so the
     copy out copies the tensor itself (through `version_probe`) into a host view of the same
     layout, and no byte view of the source is needed.
+
+    A copy that goes to the disk tier has its `store`: `host_block` is then a staging buffer,
+    held while the write from it runs (`job`) and again from a read back until backward has passed
+    its layer; `disk_offset` is where its bytes are in the store's file once written. A write that
+    failed leaves it in host memory (`disk_offset` None), as a host copy.
     """
 
     __slots__ = (
@@ -82,6 +89,10 @@ class HostCopy:
         "_ahead_event",
         "_ahead_waited",
         "_restored",
+        "store",
+        "disk_offset",
+        "job",
+        "read_error",
         "__weakref__",
     )
 
@@ -94,6 +105,7 @@ class HostCopy:
         host_size: int,
         device,
         version: int,
+        store=None,
     ) -> None:
         # Counted in `ledger.copies_alive` by the layer that made it, when the layer returns.
         self.nbytes = nbytes  # the storage's
@@ -124,6 +136,10 @@ class HostCopy:
         # Weak, so views unpacked by different backward nodes share one restored storage while
         # any of them is alive, without this object keeping device memory alive.
         self._restored: weakref.ref[torch.UntypedStorage] | None = None
+        self.store = store  # the disk tier's DiskStore, for a copy that goes to disk
+        self.disk_offset: int | None = None
+        self.job = None  # the write or read in flight
+        self.read_error: BaseException | None = None
 
     def matches(self, storage: torch.UntypedStorage, version: int) -> bool:
         """Whether saving `storage` at `version` again can reuse this copy: the same storage
@@ -167,6 +183,8 @@ class HostCopy:
         if restored is not None:
             return restored
         if self._ahead is None:
+            if self.host_block is None:
+                self._read_back()
             self._device.restore_async([self])
         storage = self._ahead
         if not self._ahead_waited:
@@ -176,11 +194,44 @@ class HostCopy:
         self._restored = weakref.ref(storage)
         return storage
 
+    def on_disk(self) -> bool:
+        """Its bytes are in the disk tier's file and nowhere on the host."""
+        return self.host_block is None and self.disk_offset is not None
+
+    def _read_back(self) -> None:
+        """Needed now and on disk: read it (or wait for the read ahead already under way)."""
+        store, context = self.store, self._device
+        if self.job is None and self.read_error is None:
+            store.read(self, context, context.ledger.max_host_bytes, needed_now=True)
+        if self.job is not None:
+            store.wait(self.job)
+        if self.read_error is not None or self.host_block is None:
+            raise DiskTierError(
+                f"hf_offload: the {self.nbytes} bytes of an activation offloaded to disk_dir={store.directory!r} "
+                f"could not be read back ({self.read_error}); they exist nowhere else, so this backward cannot "
+                "be computed. The file is private to this process (unlinked at creation): look for a failing "
+                "disk or a full file system. The next step runs as usual."
+            )
+
+    def drop_staging(self) -> None:
+        """Backward has passed this copy's layer: give back the buffer it was read into."""
+        if self.disk_offset is not None and self.host_block is not None and self.job is None:
+            context, block = self._device, self.host_block
+            self.host_block = None
+            context.pool.release(block)
+            context.ledger.host_bytes -= block.size
+
     def __del__(self) -> None:
         self.drop_ahead()
-        if self.host_block is not None:
-            self._device.pool.release(self.host_block)
-            self._device.ledger.host_bytes -= self.host_block.size
+        job = self.job
+        if job is None or not self.store.orphan(job):
+            # Nothing in flight: what it holds is its own to give back (a job in flight gives
+            # back its buffer and extent itself when it is settled).
+            if self.host_block is not None:
+                self._device.pool.release(self.host_block)
+                self._device.ledger.host_bytes -= self.host_block.size
+            if self.disk_offset is not None:
+                self.store.release(self.disk_offset, self.host_size)
         self._device.ledger.copies_alive -= 1
 
 

@@ -35,8 +35,9 @@ from copy import deepcopy
 import torch
 
 from . import ordering
+from .disk import DiskStore
 from .handles import HostCopy, HostLedger, OffloadedTensor
-from .planner import plan
+from .planner import place_tiers, plan
 from .pool import HostPool, rounded_size
 from .stats import LifetimeCounters, OffloadStats, StepCounters
 from .streams import flat_bytes, streams_for
@@ -152,8 +153,12 @@ class DeviceContext:
             if copy.version_probe._version != copy.version:
                 copy.modified = True
         streams.copy_async(pairs)
-        batch = _InFlight(placed, streams.record(streams.copy_stream), nbytes)
+        event = streams.record(streams.copy_stream)
+        batch = _InFlight(placed, event, nbytes)
         self.ledger.hold_device(nbytes)
+        for copy in placed:
+            if copy.store is not None:
+                copy.store.write(copy, self, event)  # from the staging buffer, once the copy out is done
         return batch
 
     def release(self, batch: _InFlight) -> None:
@@ -170,7 +175,8 @@ class DeviceContext:
 
     def restore_async(self, copies: Iterable[HostCopy]) -> int:
         """Queue the copies back to the device of those not on it; returns how many."""
-        todo = [copy for copy in copies if copy.needs_restore()]
+        # A copy on disk is read back into host memory first (`ActivationOffloader._restore_ahead`).
+        todo = [copy for copy in copies if copy.host_block is not None and copy.needs_restore()]
         if not todo:
             return 0
         streams = self.streams
@@ -207,6 +213,11 @@ class LayerGroup:
         "shared_bytes",
         "kept_bytes",
         "saved",
+        "to_disk",
+        "disk_pending",
+        "disk_copies",
+        "disk_bytes",
+        "refused_bytes",
         "__weakref__",
     )
 
@@ -230,6 +241,11 @@ class LayerGroup:
         self.shared_bytes = 0
         self.kept_bytes = 0  # storage bytes this kept layer holds on the device
         self.saved: dict[int, tuple[torch.Tensor, int, object]] = {}  # id -> (tensor, version, handle), this call
+        self.to_disk = False  # the tier plan puts this layer's copies on disk
+        self.disk_pending = 0  # file bytes of the copies decided for disk in this call
+        self.disk_copies = 0
+        self.disk_bytes = 0
+        self.refused_bytes = 0  # host bytes of the copies no tier took (kept 'over_budget')
 
     def protected_storages(self) -> set[int]:
         """The storages of the layer's parameters and buffers and of the model's others, read on
@@ -323,14 +339,22 @@ class LayerGroup:
             return tensor
         storage_bytes = storage.nbytes()
         needed = rounded_size(storage_bytes)
-        if engine.ledger.host_bytes + self.pending_bytes + needed > engine.max_host_bytes:
-            engine.over_budget(needed, self.pending_bytes)
-            keep("over_budget", nbytes)
-            return tensor.detach()
-        copy = HostCopy(tensor, nbytes, storage, storage_bytes, needed, self.device, version)
+        store = None
+        if self.to_disk or engine.ledger.host_bytes + self.pending_bytes + needed > engine.host_room:
+            store = engine.tier_for(self, needed)
+            if store is False:
+                engine.over_budget(needed, self.pending_bytes)
+                keep("over_budget", nbytes)
+                self.refused_bytes += needed
+                return tensor.detach()
+        copy = HostCopy(tensor, nbytes, storage, storage_bytes, needed, self.device, version, store)
         self.copies.append(copy)
-        self.pending_bytes += needed
+        self.pending_bytes += needed  # a copy to disk needs its staging buffer in host memory
         self.offloaded_bytes += storage_bytes
+        if store is not None:
+            self.disk_pending += needed
+            self.disk_copies += 1
+            self.disk_bytes += storage_bytes
         # Weak: the entry must keep neither the copy nor, through it, host memory alive.
         engine._offloaded_this_pass[ptr] = weakref.ref(copy)
         self.saved[id(tensor)] = (tensor, version, copy)
@@ -373,10 +397,20 @@ class LayerScope:
             self.engine.exit_layer(self.group, self.arguments.get("name", "?"))
 
 
+# With the disk tier, host memory kept free for staging buffers: this many layers' copies at once
+# (one layer's being written while the next is copied out; in backward, one read ahead of the one
+# being copied back).
+STAGING_LAYERS = 2
+# The disk's reads start this many layers further ahead than the copies back at most (more each
+# step in which backward had to wait for a read).
+MAX_EXTRA_READAHEAD = 8
+
+
 class ActivationOffloader:
     def __init__(self, **options) -> None:
-        self.configure(**options)
         self.ledger = HostLedger()
+        self.disk: DiskStore | None = None
+        self.configure(**options)
         self.step = StepCounters()
         self.lifetime = LifetimeCounters()
         self.mode = "idle"
@@ -400,6 +434,7 @@ class ActivationOffloader:
         self._position = 0  # layer calls so far in this forward pass
         self._pass_tokens: int | None = None
         self._pass_layers: list[tuple[int, int, bool]] = []  # per layer call: bytes, restored bytes, offloadable
+        self._pass_host_bytes: list[int] = []  # per layer call: host bytes its copies take (pooled sizes)
         self._bytes_per_token: list[tuple[float, float]] | None = None  # the same per token, per position
         self._offloadable_layers = 0
         self._measured_tokens: int | None = None
@@ -410,6 +445,16 @@ class ActivationOffloader:
         # This step's layer calls: autograd's graph holds each group through its unpack hook, so
         # a group alive means a graph of this step is alive (several forwards before a backward).
         self._step_groups: weakref.WeakSet[LayerGroup] = weakref.WeakSet()
+        # The disk tier's plan for this pass: its leading positions whose copies go to disk (None:
+        # nothing measured yet, so layers go to disk only once the host budget is reached), and the
+        # host memory kept free for staging buffers.
+        self._disk_positions: int | None = None
+        self._staging_reserve = 0
+        self._pass_max_layer_host = 0  # the most host bytes one layer call of this pass asked for
+        self._host_bytes_per_token: list[float] | None = None
+        self._extra_readahead = 0
+        self._disk_at_step_start = (0, 0, 0.0, 0.0, 0.0)
+        self._reads_waited_at_step_start = 0
 
     def configure(
         self,
@@ -419,12 +464,25 @@ class ActivationOffloader:
         prefetch_layers: int = 1,
         max_host_bytes: int = sys.maxsize,
         max_device_bytes: Budget = None,
+        disk_dir: str | None = None,
+        max_disk_bytes: int | None = None,
     ) -> None:
+        if disk_dir is not None:
+            # Opened first: if the directory fails us now, the engine stays as it was.
+            store = DiskStore(disk_dir, sys.maxsize if max_disk_bytes is None else max_disk_bytes)
+        else:
+            store = None
         self.min_offload_bytes = min_offload_bytes
         self.simulate_on_cpu = simulate_on_cpu
         self.prefetch_layers = prefetch_layers
         self.max_host_bytes = max_host_bytes
+        self.ledger.max_host_bytes = max_host_bytes
         self.max_device_bytes = max_device_bytes
+        self.disk_dir = disk_dir
+        self.max_disk_bytes = max_disk_bytes
+        if self.disk is not None:
+            self.disk.close()  # the copies still in it keep it until they die
+        self.disk = store
 
     def options(self) -> dict[str, object]:
         return {
@@ -433,7 +491,59 @@ class ActivationOffloader:
             "prefetch_layers": self.prefetch_layers,
             "max_host_bytes": self.max_host_bytes,
             "max_device_bytes": self.max_device_bytes,
+            "disk_dir": self.disk_dir,
+            "max_disk_bytes": self.max_disk_bytes,
         }
+
+    def close(self) -> None:
+        """Offloading is disabled: the disk tier's file and threads go (once no live graph holds a
+        tensor in it), and the host pools give back their free buffers."""
+        if self.disk is not None:
+            self.disk.close()
+            self.disk = None
+        for context in self._devices.values():
+            context.pool.trim()
+
+    @property
+    def host_room(self) -> int:
+        """Host bytes the host tier may fill: the budget, less what the disk tier's staging
+        buffers need kept free while layers go to disk in the order they come (before the first
+        step has measured anything to plan with; a plan puts the disk layers first)."""
+        return self.max_host_bytes - self._staging_reserve
+
+    def tier_for(self, group: LayerGroup, nbytes: int) -> DiskStore | None | bool:
+        """Where a copy of `nbytes` goes when the plan puts its layer on disk or the host tier
+        has no room for it: the disk store, None for host memory, False for neither (it stays on
+        the device)."""
+        ledger = self.ledger
+
+        def host_fits() -> bool:
+            return ledger.host_bytes + group.pending_bytes + nbytes <= self.max_host_bytes
+
+        if group.to_disk:
+            store = self.disk_for(group, nbytes)
+            return store if store is not None else (None if host_fits() else False)
+        if self._disk_positions is not None and self.disk is not None and not host_fits():
+            # A layer the plan keeps in host memory: what fills it is the staging buffers of the
+            # disk layers' writes still in flight, which the plan counted; wait for them.
+            self.disk.wait_for_room(group.device, group.pending_bytes + nbytes, self.max_host_bytes)
+        if host_fits() and ledger.host_bytes + group.pending_bytes + nbytes <= self.host_room:
+            return None
+        store = self.disk_for(group, nbytes)
+        return store if store is not None else (None if host_fits() else False)
+
+    def disk_for(self, group: LayerGroup, nbytes: int) -> DiskStore | None:
+        """The disk store, if it takes a copy of `nbytes` from `group` now: room in the file, and
+        in host memory for the staging buffer (waiting for writes in flight to free some)."""
+        store = self.disk
+        if store is None or not store.accepts(group.disk_pending + nbytes):
+            return None
+        limit, ledger = self.max_host_bytes, self.ledger
+        if ledger.host_bytes + group.pending_bytes + nbytes > limit:
+            store.wait_for_room(group.device, group.pending_bytes + nbytes, limit)
+            if ledger.host_bytes + group.pending_bytes + nbytes > limit:
+                return None
+        return store
 
     def __deepcopy__(self, memo: dict) -> ActivationOffloader:
         # A deep-copied model (a DPO reference model, say) gets an offloader of its own with the
@@ -479,7 +589,37 @@ class ActivationOffloader:
             total_layer_scopes=life.layer_scopes,
             total_pack_calls=life.pack_calls,
             total_unpack_calls=life.unpack_calls,
+            **self._disk_stats(),
         )
+
+    def _disk_stats(self) -> dict[str, object]:
+        store, step = self.disk, self.step
+        if store is None:
+            return {}
+        store.reap()
+        written, read, write_seconds, read_seconds, waited = (
+            now - then
+            for now, then in zip(
+                (store.bytes_written, store.bytes_read, store.write_seconds, store.read_seconds, store.wait_seconds),
+                self._disk_at_step_start,
+                strict=True,
+            )
+        )
+        return {
+            "disk_dir": store.directory,
+            "disk_io": store.mode,
+            "max_disk_bytes": store.max_bytes,
+            "disk_offloaded_tensors": step.disk_offloaded_tensors,
+            "disk_offloaded_bytes": step.disk_offloaded_bytes,
+            "layers_on_disk": step.layers_on_disk,
+            "planned_disk_layers": step.planned_disk_layers,
+            "disk_bytes_written": written,
+            "disk_bytes_read": read,
+            "disk_write_gbps": written / write_seconds / 1e9 if write_seconds > 0 else None,
+            "disk_read_gbps": read / read_seconds / 1e9 if read_seconds > 0 else None,
+            "disk_wait_seconds": waited,
+            "disk_bytes_held": store.held_bytes,
+        }
 
     def over_budget(self, nbytes: int, pending: int) -> None:
         self._warn_once(
@@ -492,6 +632,9 @@ class ActivationOffloader:
     def host_allocation_failed(self, copy: HostCopy, error: BaseException) -> None:
         self.step.offloaded_tensors -= 1
         self.step.offloaded_bytes -= copy.nbytes
+        if copy.store is not None:
+            self.step.disk_offloaded_tensors -= 1
+            self.step.disk_offloaded_bytes -= copy.nbytes
         self.step.keep("no_host_memory", copy.nbytes)
         self._warn_once(
             "allocation",
@@ -556,6 +699,8 @@ class ActivationOffloader:
             if not keep and self._offload_positions is not None and position >= self._offload_positions:
                 keep, kept_reason = True, "kept_for_budget"
             group = LayerGroup(self, context, self._sequence, position, keep, kept_reason, protected, self._last_group)
+            if self._disk_positions is not None and position < self._disk_positions:
+                group.to_disk = True
             self._last_group = weakref.ref(group)
             self._step_groups.add(group)
         return group
@@ -573,6 +718,18 @@ class ActivationOffloader:
         step.offloaded_tensors += len(group.copies)
         step.offloaded_bytes += group.offloaded_bytes
         self.ledger.copies_alive += len(group.copies)
+        if self.disk is not None:
+            self.disk.reap()  # writes finished meanwhile give their staging buffers back
+            if group.disk_copies:
+                step.disk_offloaded_tensors += group.disk_copies
+                step.disk_offloaded_bytes += group.disk_bytes
+                step.layers_on_disk += 1
+            if group.pending_bytes > self._pass_max_layer_host:
+                self._pass_max_layer_host = group.pending_bytes
+                if self._disk_positions is None:
+                    # Not planned (nothing measured yet): keep room for staging the layers to
+                    # come, as large as the largest so far, once the host fills up.
+                    self._staging_reserve = STAGING_LAYERS * group.pending_bytes
         # Queued even when the layer raised: handles made before the error must stay valid.
         batch = context.offload_async(group.copies, self) if group.copies else None
         if batch is not None:
@@ -586,6 +743,9 @@ class ActivationOffloader:
         # (bytes it saved, bytes it brought back or None when it kept them, offloadable)
         restored = None if group.keep else group.offloaded_bytes + group.shared_bytes
         self._pass_layers.append((group.offloaded_bytes + group.kept_bytes, restored, offloadable))
+        # What the layer's copies need, wherever they went: a plan made from what got host memory
+        # alone would see no need for the disk after a step that had no room.
+        self._pass_host_bytes.append(group.pending_bytes + group.refused_bytes if not group.keep else group.kept_bytes)
         # Earlier batches have had this whole layer's compute to finish; release their sources.
         while len(self._in_flight) > (1 if batch is not None else 0):
             owner, batch = self._in_flight.popleft()
@@ -619,6 +779,7 @@ class ActivationOffloader:
         # A new step begins after a backward, or when no graph of an earlier forward is alive
         # any more (it was dropped, or its backward failed before reaching a decoder layer).
         if self._backward_since_step_start or not self._step_groups:
+            self._new_disk_step()
             self.step = StepCounters()
             self._backward_since_step_start = False
             self._kept_resident.clear()
@@ -632,10 +793,68 @@ class ActivationOffloader:
         self._position = 0
         self._pass_tokens = tokens
         self._offload_positions = self._plan(device, tokens) if self.max_device_bytes is not None else None
+        self._pass_max_layer_host = 0
+        self._staging_reserve = 0
+        self._disk_positions = self._plan_tiers(tokens) if self.disk is not None else None
+
+    def _new_disk_step(self) -> None:
+        store = self.disk
+        if store is None:
+            return
+        store.reap()
+        store.new_step()
+        # Backward waited for a read last step: start reads one layer further ahead.
+        if store.reads_waited > self._reads_waited_at_step_start and self._extra_readahead < MAX_EXTRA_READAHEAD:
+            self._extra_readahead += 1
+        self._reads_waited_at_step_start = store.reads_waited
+        self._disk_at_step_start = (
+            store.bytes_written,
+            store.bytes_read,
+            store.write_seconds,
+            store.read_seconds,
+            store.wait_seconds,
+        )
+
+    def _plan_tiers(self, tokens: int | None) -> int | None:
+        """How many leading layer calls of this pass put their copies on disk (planner.place_tiers);
+        None before anything was measured."""
+        rates = self._host_bytes_per_token
+        if rates is None:
+            return None
+        scale = 1 if self._measured_tokens is None else (tokens if tokens is not None else self._measured_tokens)
+        layer_bytes = [round(rate * scale) for rate in rates]
+        offloaded = self._offload_positions if self._offload_positions is not None else self._offloadable_layers
+        store = self.disk
+        chosen = place_tiers(
+            layer_bytes,
+            offloaded_layers=offloaded,
+            host_bytes=self.max_host_bytes - self.ledger.host_bytes,
+            disk_bytes=store.max_bytes - store.held_bytes,
+            staging_layers=STAGING_LAYERS,
+        )
+        self.step.planned_disk_layers = chosen.disk_layers
+        if chosen.host_short:
+            self._warn_once(
+                "staging_budget",
+                f"hf_offload: max_host_bytes={self.max_host_bytes} leaves no room for the disk tier's staging "
+                f"buffers ({chosen.staging_bytes} bytes: {STAGING_LAYERS} layers' copies at once, each copied to "
+                "host memory on its way to and from the disk); every offloaded layer goes to disk and what does not "
+                "get a buffer stays on the device (counted as kept 'over_budget'). Raise max_host_bytes.",
+            )
+        elif not chosen.fits:
+            self._warn_once(
+                "disk_budget",
+                f"hf_offload: a step of {tokens} tokens offloads about {chosen.disk_bytes} bytes to disk_dir="
+                f"{store.directory!r} with {chosen.host_bytes} in host memory, more than max_disk_bytes="
+                f"{store.max_bytes} leaves ({store.max_bytes - store.held_bytes} free); what fits neither stays on "
+                "the device (counted as kept 'over_budget'). Raise max_disk_bytes or max_host_bytes.",
+            )
+        return chosen.disk_layers
 
     def _learn_from_last_pass(self) -> None:
         """Bytes per token of each layer position in the pass that just ended, if it was whole."""
         layers, self._pass_layers = self._pass_layers, []
+        host_bytes, self._pass_host_bytes = self._pass_host_bytes, []
         if not layers or (self._bytes_per_token is not None and len(layers) < len(self._bytes_per_token)):
             return  # the pass stopped early (an exception in a layer): keep what a whole pass showed
         tokens = self._pass_tokens or 1
@@ -650,6 +869,7 @@ class ActivationOffloader:
             else:
                 rates.append((own / tokens, restored / tokens))
         self._bytes_per_token = rates
+        self._host_bytes_per_token = [nbytes / tokens for nbytes in host_bytes]
         self._offloadable_layers = sum(1 for *_, offloadable in layers if offloadable)
         self._measured_tokens = self._pass_tokens
 
@@ -715,24 +935,58 @@ class ActivationOffloader:
             if held.sequence > group.sequence:
                 for copy in held.copies + held.shared:
                     copy.drop_ahead()
+                    if copy.store is not None:
+                        copy.drop_staging()
             else:
                 still_ahead.append(ref)
         self._holding_ahead = still_ahead
+        self._restore_ahead(group)
         step = self.step
-        current: LayerGroup | None = group
-        for distance in range(self.prefetch_layers + 1):
-            if current is None:
-                break
-            restored = current.device.restore_async(current.copies + current.shared)
-            if restored:
-                if distance == 0:
-                    step.restored_on_demand += restored
-                else:
-                    step.restored_ahead += restored
-                self._holding_ahead.append(weakref.ref(current))
-            current = current.prev() if current.prev is not None else None
         step.peak_backward_held_bytes = max(step.peak_backward_held_bytes, self.ledger.peak_device_bytes)
         self._note_resident()
+
+    def _restore_ahead(self, group: LayerGroup) -> None:
+        """Every decision of what comes back when, in one place: at the start of `group`'s
+        backward, copies back to the device for it and the `prefetch_layers` layers before it, and
+        with the disk tier, reads into host memory for the `disk_readahead_layers` before it (a
+        read started far enough ahead has finished by the time its copy back is due)."""
+        step = self.step
+        store = self.disk
+        reach = self.prefetch_layers
+        read_reach = -1
+        if store is not None:
+            store.reap()
+            read_reach = self.disk_readahead_layers()
+        limit = self.max_host_bytes
+        current: LayerGroup | None = group
+        for distance in range(max(reach, read_reach) + 1):
+            if current is None:
+                break
+            copies = current.copies + current.shared
+            if distance <= read_reach:
+                for copy in copies:
+                    # The layer needed now waits for its read in `device_storage`, counted there.
+                    if (
+                        copy.job is None
+                        and copy.on_disk()
+                        and copy.needs_restore()
+                        and not copy.store.read(copy, current.device, limit, needed_now=distance == 0)
+                    ):
+                        break  # no host room for more reads ahead now: again at the next layer
+            if distance <= reach:
+                restored = current.device.restore_async(copies)
+                if restored:
+                    if distance == 0:
+                        step.restored_on_demand += restored
+                    else:
+                        step.restored_ahead += restored
+                    self._holding_ahead.append(weakref.ref(current))
+            current = current.prev() if current.prev is not None else None
+
+    def disk_readahead_layers(self) -> int:
+        """How many layers ahead of the one in backward the disk's reads start: one more than the
+        copies back, and one more again for each step in which backward had to wait for a read."""
+        return self.prefetch_layers + 1 + self._extra_readahead
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:

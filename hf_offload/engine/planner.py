@@ -101,3 +101,51 @@ def plan(
         if peak <= budget:
             return Plan(k, peak, True)
     return Plan(limit, resident_peak(layer_bytes, limit, prefetch_layers, restore_bytes), False)
+
+
+@dataclass(frozen=True)
+class TierPlan:
+    """`disk_layers` leading offloaded layer calls put their copies on disk, the rest of the
+    offloaded ones in host memory."""
+
+    disk_layers: int
+    host_bytes: int  # the most host memory held at once: the host tier's copies and the staging
+    staging_bytes: int  # of which kept free for the disk tier's staging buffers
+    disk_bytes: int  # what the disk tier holds at the end of forward
+    fits: bool  # False: the disk budget is short of what the host budget leaves to it, or host_short
+    host_short: bool = False  # even with every layer on disk, the staging buffers exceed host_bytes
+
+
+def place_tiers(
+    layer_bytes: Sequence[int],
+    *,
+    offloaded_layers: int,
+    host_bytes: int,
+    disk_bytes: int,
+    staging_layers: int,
+) -> TierPlan:
+    """Where the copies of the first `offloaded_layers` layer calls go: the fewest leading layers
+    on disk such that the host tier's copies, plus staging buffers for `staging_layers` of the
+    disk layers at once (copies out in forward being written, reads in backward being copied back),
+    fit in `host_bytes`.
+
+    The leading layers go to disk because backward needs them last: their reads have the whole
+    backward of the later layers to hide behind, while the last layers' copies, needed first, come
+    back from host memory at once. `layer_bytes[i]` is the host bytes layer call i's copies take.
+    A pure function: the engine plans each forward pass with it, and the memory simulator can
+    place a step it has not run.
+    """
+    count = min(max(offloaded_layers, 0), len(layer_bytes))
+    suffix = sum(layer_bytes[:count])  # host tier: layers [disk_layers, count)
+    largest = 0  # the largest disk layer so far
+    for disk_layers in range(count + 1):
+        staging = staging_layers * largest
+        if suffix + staging <= host_bytes:
+            on_disk = sum(layer_bytes[:disk_layers])
+            return TierPlan(disk_layers, suffix + staging, staging, on_disk, on_disk <= disk_bytes)
+        if disk_layers < count:
+            suffix -= layer_bytes[disk_layers]
+            largest = max(largest, layer_bytes[disk_layers])
+    staging = staging_layers * largest
+    on_disk = sum(layer_bytes[:count])
+    return TierPlan(count, staging, staging, on_disk, False, host_short=True)

@@ -37,6 +37,10 @@ class StepCounters:
     layers_kept_for_budget: int = 0
     planned_peak_bytes: int | None = None
     plan_tokens: int | None = None
+    disk_offloaded_tensors: int = 0
+    disk_offloaded_bytes: int = 0
+    layers_on_disk: int = 0
+    planned_disk_layers: int | None = None
     kept_tensors: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KEEP_REASONS, 0))
     kept_bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KEEP_REASONS, 0))
 
@@ -73,8 +77,16 @@ class OffloadStats:
     `layers_kept_for_budget` how many offloadable layers the plan kept on the device,
     `planned_peak_bytes` the peak the plan predicted for `plan_tokens` tokens.
     `host_bytes_held`, `live_host_copies` and the `pool_*` fields are read now, not at the end
-    of the step; `pool_allocations` counts host buffers ever allocated (a pooled buffer is
-    reused, not allocated again).
+    of the step; `pool_allocations` counts host slabs ever allocated (buffers are carved
+    from them and reused, not allocated again).
+
+    With the disk tier (`disk_dir`): `disk_offloaded_tensors`/`_bytes` of the offloaded ones went
+    to disk, from `layers_on_disk` layer calls (`planned_disk_layers` is the plan's number, None
+    while the first step measures); `disk_bytes_written`/`_read` this step (whole aligned
+    extents), `disk_write_gbps`/`disk_read_gbps` the rate of those transfers (bytes over the
+    seconds each took, from the copy out's end to the last byte), `disk_wait_seconds` how long the
+    training thread waited on the disk (0 when the disk hid behind compute), `disk_bytes_held` the
+    file's bytes in use now, `disk_io` "O_DIRECT" or "buffered".
     """
 
     mode: str
@@ -104,6 +116,20 @@ class OffloadStats:
     total_layer_scopes: int
     total_pack_calls: int
     total_unpack_calls: int
+    # The disk tier (None, or 0, without disk_dir).
+    disk_dir: str | None = None
+    disk_io: str | None = None
+    max_disk_bytes: int | None = None
+    disk_offloaded_tensors: int = 0
+    disk_offloaded_bytes: int = 0
+    layers_on_disk: int = 0
+    planned_disk_layers: int | None = None
+    disk_bytes_written: int = 0
+    disk_bytes_read: int = 0
+    disk_write_gbps: float | None = None
+    disk_read_gbps: float | None = None
+    disk_wait_seconds: float = 0.0
+    disk_bytes_held: int = 0
 
     def as_dict(self) -> dict[str, object]:
         return {name: getattr(self, name) for name in self.__dataclass_fields__}
@@ -137,9 +163,20 @@ class OffloadStats:
                     f" for {self.plan_tokens if self.plan_tokens is not None else 'an unknown number of'} tokens"
                 )
             lines.append(f"device-memory budget {_human(self.max_device_bytes)}: {plan}")
+        if self.disk_dir is not None:
+            lines.append(
+                f"disk tier ({self.disk_dir}, {self.disk_io}): {self.disk_offloaded_tensors} tensors, "
+                f"{_human(self.disk_offloaded_bytes)} from {self.layers_on_disk} layer calls; written "
+                f"{_human(self.disk_bytes_written)}{_rate(self.disk_write_gbps)}, read {_human(self.disk_bytes_read)}"
+                f"{_rate(self.disk_read_gbps)}; compute waited {self.disk_wait_seconds:.3f} s on the disk"
+            )
         lines.append(f"host memory held now: {_human(self.host_bytes_held)} in {self.live_host_copies} copies")
         lines.append(f"host buffer pool: {_human(self.pool_bytes)} ({_human(self.pool_free_bytes)} free)")
         return "\n".join(lines)
+
+
+def _rate(gbps: float | None) -> str:
+    return "" if gbps is None else f" at {gbps:.2f} GB/s"
 
 
 def _human(nbytes: int) -> str:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import mmap
 import random
 import weakref
 from collections import deque
@@ -41,6 +42,33 @@ def pinned_empty(nbytes: int) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
 
+def registered_host_empty(nbytes: int, cudart=None) -> torch.Tensor | None:
+    """Page-locked host memory of exactly `nbytes` bytes, page-aligned: anonymous memory
+    registered with CUDA (cudaHostRegister), unregistered when the last view of it is gone. None
+    where CUDA's runtime cannot do it (then `pinned_empty` is the way).
+
+    Why not `pinned_empty`: torch's caching host allocator rounds every pinned block up to a
+    power of two (to reuse blocks across sizes), which would undo the pool's exact sizes: 150 GiB
+    of layer inputs would take 256 GiB of pinned memory. CUDA copies from registered memory as
+    from any pinned memory (asynchronously), and the pool orders its reuse and its release itself.
+    """
+    if cudart is None:
+        try:
+            cudart = torch.cuda.cudart()
+        except (AssertionError, RuntimeError, AttributeError):
+            return None
+    if not hasattr(cudart, "cudaHostRegister"):
+        return None
+    memory = mmap.mmap(-1, nbytes)
+    tensor = torch.frombuffer(memory, dtype=torch.uint8)
+    address = tensor.data_ptr()
+    if int(cudart.cudaHostRegister(address, nbytes, 0)) != 0:
+        return None
+    # Before the memory is unmapped: the mapping lives as long as any view of the tensor.
+    weakref.finalize(memory, cudart.cudaHostUnregister, address)
+    return tensor
+
+
 def empty_host_cache() -> None:
     """torch.accelerator.empty_host_cache, which torch 2.11 lacks; there the CUDA host
     allocator's own (private) call does the same. Best effort: it runs when the pool is trimmed
@@ -61,6 +89,7 @@ class AcceleratorStreams:
         self.device = device
         self.copy_stream = torch.Stream(device=device)
         self.pinned = True
+        self.registered = True  # exact-size pinned memory (`registered_host_empty`) while it works
 
     def compute_stream(self):
         return torch.accelerator.current_stream(self.device)
@@ -92,8 +121,27 @@ class AcceleratorStreams:
         # torch caches freed pinned blocks itself; dropping our references alone frees nothing.
         empty_host_cache()
 
+    def quiesce_host(self) -> None:
+        """Wait for every copy queued on the copy stream: host memory the pool gives back to the
+        system (registered memory) must not be unmapped under a copy still to run."""
+        self.copy_stream.synchronize()
+
+    def host_waiter(self, event):
+        """What another thread calls to block until `event` has completed (the disk tier's writer,
+        before it reads a buffer a copy out filled). It releases the GIL while it waits."""
+        return event.synchronize
+
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         if self.pinned:
+            if self.registered and self.device.type == "cuda":
+                try:
+                    buffer = registered_host_empty(nbytes)
+                except (RuntimeError, OSError, ValueError) as error:
+                    buffer = None
+                    logger.debug("hf_offload: could not register host memory: %s", str(error))
+                if buffer is not None:
+                    return buffer
+                self.registered = False  # once refused, torch's pinned allocator from then on
             try:
                 return pinned_empty(nbytes)
             except RuntimeError as error:
@@ -140,6 +188,9 @@ class MetaStreams:
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device="meta")
+
+    def host_waiter(self, event) -> None:
+        return None
 
     def empty_host_cache(self) -> None:
         pass
@@ -252,6 +303,15 @@ class SimulatedStreams:
 
     def synchronize(self) -> None:
         self._run_until(self.enqueued)
+
+    def quiesce_host(self) -> None:
+        self._run_until(self.enqueued)
+
+    def host_waiter(self, event: _SimEvent) -> None:
+        """The simulated copy stream is not thread-safe: the copies up to `event` run now, on the
+        calling (training) thread, and the other thread has nothing to wait for."""
+        self._run_until(event.sequence)
+        return None
 
     def _maybe_progress(self) -> None:
         if self.schedule == "random" and self.queued and self._random.random() < 0.3:

@@ -15,7 +15,14 @@ on the device, batch 1, non-reentrant checkpointing in every mode:
    FLCE reaches at least 2x the maximum of checkpointing + FLCE and 5x that of checkpointing
    alone, at a step time at most 1.03x that of checkpointing + FLCE;
 3. the GPU tests that need Liger or run the examples (tests/test_gpu_liger.py, and
-   tests/test_examples.py's GPU tests: `hf-offload demo` and each example's --compare --control).
+   tests/test_examples.py's GPU tests: `hf-offload demo` and each example's --compare --control);
+4. the disk tier (`--stages disk`, docs/tiers.md): the machine's disk through the tier against dd
+   with direct I/O; the pool's exact-size pinned memory (registered) against torch's pinned
+   allocator (is it pinned, does it copy as fast, how much torch's allocator rounds); whether
+   GPUDirect Storage (torch.cuda.gds) works here; and checkpointing + hf_offload + tiling at
+   `--disk-length` tokens with every layer input in host memory against most of them on disk:
+   the step-time ratio (target <= 1.05x: the disk hides behind compute), the bytes and rates,
+   the seconds waited on the disk, and the gradients of both equal bit for bit.
 
 Carry liger-kernel (and transformers, peft, trl) as wheels: see docs/benchmarks.md. Meant to take
 about 5 minutes on one H200 (estimated: the 8B build, eight steps per mode, Triton's first
@@ -57,7 +64,8 @@ TILING_MODES = (
     "checkpointing+hf_offload+tiled",
 )
 TILING_TIME_LIMITS = (1.10, 1.05)  # tiled / untiled step time, at the first and the second length
-STAGES = ("peaks", "tiling", "tests")
+STAGES = ("peaks", "tiling", "tests", "disk")
+DISK_TIME_LIMIT = 1.05  # step time with most layer inputs on disk / all in host memory
 EIGHTY_GB = int(DEVICES["h100-80gb"].memory_gib * 2**30)  # what an 80 GB GPU leaves usable (estimate's preset)
 
 
@@ -194,6 +202,139 @@ def run_tests(device: torch.device) -> int:
     return subprocess.run([*command, *tests], timeout=420).returncode
 
 
+def pinned_memory_check(device: torch.device, nbytes: int = 1 << 30) -> None:
+    """The pool's slabs on CUDA are registered anonymous memory at their exact size: pinned, and
+    copied as fast as torch's pinned memory, which rounds each block up to a power of two."""
+    if device.type != "cuda":
+        print("pinned memory: skipped: needs a CUDA device")
+        return
+    from hf_offload.engine.streams import pinned_empty, registered_host_empty
+
+    target = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    before = torch.cuda.host_memory_stats().get("reserved_bytes.all.current", 0)
+    odd = pinned_empty(3 * nbytes // 2)
+    rounded = torch.cuda.host_memory_stats().get("reserved_bytes.all.current", 0) - before
+    print(f"torch's pinned allocator: {3 * nbytes // 2} bytes asked, {rounded} reserved")
+    del odd
+    candidates = (("registered (the pool)", registered_host_empty(nbytes)), ("torch pinned", pinned_empty(nbytes)))
+    for name, host in candidates:
+        if host is None:
+            print(f"{name}: cudaHostRegister refused")
+            continue
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        for _ in range(5):
+            target.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+        rate = 5 * nbytes / (time.perf_counter() - started) / 1e9
+        print(f"{name}: is_pinned {host.is_pinned()}, host to device {rate:.1f} GB/s")
+
+
+def gds_check(directory: str, device: torch.device, nbytes: int = 1 << 30) -> None:
+    """Whether GPUDirect Storage (cuFile through torch.cuda.gds) works on this machine, and its rate."""
+    if device.type != "cuda":
+        print("GPUDirect Storage: skipped: needs a CUDA device")
+        return
+    import os
+
+    path = os.path.join(directory, "gds-probe")
+    try:
+        from torch.cuda.gds import GdsFile
+
+        source = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        handle = GdsFile(path, os.O_CREAT | os.O_RDWR)
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        handle.save_storage(source.untyped_storage(), offset=0)
+        write = nbytes / (time.perf_counter() - started) / 1e9
+        started = time.perf_counter()
+        handle.load_storage(source.untyped_storage(), offset=0)
+        read = nbytes / (time.perf_counter() - started) / 1e9
+        print(f"GPUDirect Storage: works here: write {write:.2f} GB/s, read {read:.2f} GB/s (device memory to file)")
+        del handle
+    except Exception as error:  # noqa: BLE001 - a probe: any failure is the answer
+        print(f"GPUDirect Storage: not available here ({type(error).__name__}: {str(error)[:160]})")
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+
+
+def disk_tier_step(model, device, length: int, directory: str, cpu: bool, steps: int = 2) -> str:
+    """Checkpointing + hf_offload + tiling at `length` tokens: every layer input in host memory,
+    then most of them on disk (a host budget of a quarter of them). Step time ratio, what moved,
+    what was waited for, and the gradients compared bit for bit."""
+    import hf_offload
+
+    vocab = model.config.vocab_size
+    ids = torch.randint(vocab, (1, length), generator=torch.Generator().manual_seed(0)).to(device)
+    model.train()
+    model.activation_checkpointing_enable()
+    hf_offload.enable_sequence_tiling(model)
+    results = {}
+    budget = None
+    for name in ("host memory", "disk tier"):
+        options = {"simulate_on_cpu": cpu, "min_offload_bytes": 0} if cpu else {}
+        if name == "disk tier":
+            options.update(disk_dir=directory, max_host_bytes=budget)
+        hf_offload.enable_activation_offloading(model, **options)
+        seconds = []
+        for step in range(steps + 1):
+            model.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            started = time.perf_counter()
+            model(input_ids=ids, labels=ids).loss.backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if step:
+                seconds.append(time.perf_counter() - started)
+        stats = model.activation_offloading_stats()
+        gradients = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        results[name] = (min(seconds), stats, gradients)
+        if budget is None:  # a quarter of the layer inputs stay in host memory, the rest go to disk
+            budget = max(stats.offloaded_bytes // 4, 1 << 12)
+        hf_offload.disable_activation_offloading(model)
+    hf_offload.disable_sequence_tiling(model)
+    model.zero_grad(set_to_none=True)
+    (host, _, expected), (disk, stats, actual) = results["host memory"], results["disk tier"]
+    same = expected.keys() == actual.keys() and all(torch.equal(expected[n], actual[n]) for n in expected)
+    ratio = disk / host
+    verdict = "met" if ratio <= DISK_TIME_LIMIT else "MISSED"
+    lines = [
+        "| length | host memory s | disk tier s | disk / host | limit | layers on disk | written | read | "
+        "write GB/s | read GB/s | waited on disk s | gradients equal |",
+        "|---" * 12 + "|",
+        f"| {length} | {host:.2f} | {disk:.2f} | {ratio:.3f}x | <= {DISK_TIME_LIMIT:.2f}x ({verdict}) | "
+        f"{stats.layers_on_disk} | {stats.disk_bytes_written / 2**30:.2f} GiB | {stats.disk_bytes_read / 2**30:.2f} GiB"
+        f" | {stats.disk_write_gbps or 0:.2f} | {stats.disk_read_gbps or 0:.2f} | {stats.disk_wait_seconds:.3f} | "
+        f"{same} |",
+    ]
+    return "\n".join(lines)
+
+
+def disk_stage(model, device, length: int, disk_dir: str | None, cpu: bool) -> int:
+    import shutil
+    import tempfile
+
+    from hf_offload.tools.benchmarks import disk_tier
+
+    directory = tempfile.mkdtemp(prefix="hf_offload-disk-", dir=disk_dir)
+    try:
+        total = (64 if cpu else 4096) * 2**20
+        print("throughput of this machine's disk, the tier against dd with direct I/O:")
+        dd_write, dd_read = disk_tier.dd_throughput(directory, total, 64 * 2**20)
+        write, read, intact = disk_tier.tier_throughput(directory, total, 64 * 2**20)
+        if dd_write and dd_read:
+            print(f"tier / dd: write {write / dd_write:.2f}x, read {read / dd_read:.2f}x (target >= 0.8x)")
+        pinned_memory_check(device)
+        gds_check(directory, device)
+        print(f"\ncheckpointing + hf_offload + tiling at {length} tokens, host memory against the disk tier:")
+        print(disk_tier_step(model, device, length, directory, cpu, steps=1 if cpu else 2))
+        return 0 if intact else 1
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs=2, default=None, help="the slope's two lengths (4096 8192)")
@@ -201,7 +342,9 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--tiling-lengths", type=int, nargs=2, default=None, help="the tiling stage's two lengths (32768 131072)"
     )
-    parser.add_argument("--stages", nargs="+", choices=STAGES, default=list(STAGES), help="default: all three")
+    parser.add_argument("--stages", nargs="+", choices=STAGES, default=list(STAGES), help="default: all four")
+    parser.add_argument("--disk-length", type=int, default=None, help="the disk stage's length (65536)")
+    parser.add_argument("--disk-dir", default=None, help="where the disk stage writes (default: the temp dir)")
     parser.add_argument("--skip-tests", action="store_true", help="the same as leaving 'tests' out of --stages")
     parser.add_argument("--cpu-smoke", action="store_true", help="run every stage on the CPU (tiny model)")
     args = parser.parse_args(argv)
@@ -252,13 +395,17 @@ def main(argv=None) -> int:
         print(simulated_table(results, simulator, budgets=budgets, granularity=args.granularity))
         print(f"\ntiling's cost in step time ({TILING_MODES[1]} against {TILING_MODES[0]}):")
         print(tiling_table(results, untiled=TILING_MODES[0], tiled=TILING_MODES[1]))
+    status = 0
+    if "disk" in stages:
+        length = args.disk_length or (256 if args.cpu_smoke else 65536)
+        print(f"\n== 5. the disk tier ({time.perf_counter() - started:.0f} s in) ==", flush=True)
+        status = disk_stage(model, device, length, args.disk_dir, cpu=device.type == "cpu")
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    status = 0
     if "tests" in stages:
         print(f"\n== 4. GPU tests ({time.perf_counter() - started:.0f} s in) ==", flush=True)
-        status = run_tests(device)
+        status = run_tests(device) or status
     print(f"\n== done in {time.perf_counter() - started:.0f} s, exit status {status} ==")
     return status
 
