@@ -186,7 +186,12 @@ class TilingOptions:
         backward temporaries then exist for one slice.
     projections: the same for the attention's linear projections (q, k, v, o), found at each call
         so that LoRA layers added later are tiled whole: PEFT's float32 adapters then copy their
-        input to float32 for one slice at a time. Attention itself, which mixes tokens, is not.
+        input to float32 for one slice at a time.
+    attention: attention itself mixes tokens, so it is tiled over heads instead: a group of
+        key/value heads and their query heads at a time (at most 8 groups), each head computed as
+        by the whole call, so that the kernel's own memory (FlashAttention's float32 gradient
+        accumulators, keys and values expanded to every query head) exists for one group. For
+        SDPA and FlashAttention 2/3/4; eager and flex attention run whole, said once.
     loss: compute lm_head and the cross-entropy one slice at a time, never holding the logits of
         the whole sequence (unless Liger's fused linear cross-entropy already computes the loss).
     tile_tokens: tokens per slice. None (the default) lets each part choose: the layers' parts
@@ -199,18 +204,19 @@ class TilingOptions:
     mlp: bool = True
     norms: bool = True
     projections: bool = True
+    attention: bool = True
     loss: bool = True
     tile_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("mlp", "norms", "projections", "loss"):
+        for name in ("mlp", "norms", "projections", "attention", "loss"):
             _require_bool(name, getattr(self, name))
         if self.tile_tokens is not None:
             _require_int("tile_tokens", self.tile_tokens, minimum=1, or_none=True)
-        if not (self.mlp or self.norms or self.projections or self.loss):
+        if not (self.mlp or self.norms or self.projections or self.attention or self.loss):
             raise ValueError(
-                "sequence tiling with every part off (mlp, norms, projections, loss) tiles nothing; call "
-                "disable_sequence_tiling() instead"
+                "sequence tiling with every part off (mlp, norms, projections, attention, loss) tiles nothing; "
+                "call disable_sequence_tiling() instead"
             )
 
     @classmethod

@@ -103,6 +103,32 @@ LOSS_UNTILED: dict[str, str] = {
     "musicgen_melody": "one lm_head per codebook (a ModuleList), the loss summed over them",
     "prophetnet": "lm_head runs on every n-gram stream at once (4-D hidden states), its loss computed by the model",
 }
+# Types whose attention runs with its heads whole under attention tiling (said once), and why.
+_EAGER = "eager attention by default: each model's own function, not in transformers' registry (said when enabling)"
+_NO_BLOCK = "no attention block under the names find_attention looks for: tiling attention alone finds nothing"
+HEADS_WHOLE: dict[str, str] = {
+    **dict.fromkeys(
+        ("big_bird", "bigbird_pegasus", "bloom", "deepseek_v4", "flint", "gemma2", "git", "gpt_neo",
+         "gpt_neox_japanese", "gpt_oss", "granite_swa", "granitemoe_swa", "hy_v4", "inkling2_loop_text",
+         "inkling2_text", "megatron-bert", "mimo_v2_flash", "mpt", "mvp", "openai-gpt", "prophetnet", "reformer",
+         "rembert", "roformer", "rwkv", "trocr", "vaultgemma", "xglm"),
+        _EAGER,
+    ),
+    **dict.fromkeys(
+        ("cpmant", "ctrl", "dbrx", "falcon_mamba", "mamba", "mamba2", "nemotron_h", "recurrent_gemma", "xlnet",
+         "xlstm", "zamba", "zamba2"),
+        _NO_BLOCK,
+    ),
+    "falcon": "calls torch's scaled_dot_product_attention itself",
+    "gpt_bigcode": "multi-query attention: one key/value head, no group to split off",
+}  # fmt: skip
+# Types whose head-tiled attention is close to, not bit-identical with, the whole call's: their
+# per-head query and key norms hand attention head-major (contiguous) queries and keys, for which
+# SDPA's CPU kernel orders a group's sums differently from the whole call's.
+HEADS_CLOSE: dict[str, str] = dict.fromkeys(
+    ("afmoe", "beam", "dory", "exaone4", "exaone_moe", "hunyuan_v1_dense", "hunyuan_v1_moe", "kolibri1", "lara_mini"),
+    "per-head query/key norms: head-major queries and keys",
+)
 # What decoder layers' MLP classes are called, to tell which layers have one.
 MLP_CLASS = re.compile(r"(MLP|Mlp|FeedForward|FFN|Ffn|MoE|Moe|MoeBlock|SparseBlock)$")
 
@@ -207,6 +233,25 @@ def counting_calls(mlps: list[torch.nn.Module]) -> Iterator[list[int]]:
             handle.remove()
 
 
+@contextlib.contextmanager
+def counting_splits() -> Iterator[list[int]]:
+    """How many attention calls head tiling split into groups."""
+    from hf_offload.tiling import attention
+
+    count = [0]
+    original = attention._per_group
+
+    def counted(*args, **kwargs):
+        count[0] += 1
+        return original(*args, **kwargs)
+
+    attention._per_group = counted
+    try:
+        yield count
+    finally:
+        attention._per_group = original
+
+
 def assert_same(expected: tuple, actual: tuple) -> None:
     assert torch.equal(expected[0], actual[0]), "losses differ"
     assert_bit_identical(expected[1], actual[1])
@@ -228,7 +273,7 @@ def assert_close(expected: tuple, actual: tuple) -> None:
 def test_offloading_is_exact_and_tiling_close(model_type):
     with adapter_for(model_type):
         plain = tiny_model(model_type)
-        offloaded, tiled = twin(plain), twin(plain)
+        offloaded, tiled, heads = twin(plain), twin(plain), twin(plain)
         plain_mlps = check_mlps_found(model_type, plain)
         with counting_calls(plain_mlps) as plain_calls:
             expected = step(plain)
@@ -244,6 +289,18 @@ def test_offloading_is_exact_and_tiling_close(model_type):
             assert_close(expected, tiled_step)
         loss_tiled = getattr(tiled_step[2], "logits", None) is None
         assert loss_tiled == (model_type not in LOSS_UNTILED), f"loss head tiled: {loss_tiled}"
+
+        # Attention tiled over heads alone: each head computed as by the whole call, bit for bit.
+        only = dict(mlp=False, norms=False, projections=False, loss=False)
+        if HEADS_WHOLE.get(model_type) in (_NO_BLOCK, _EAGER):  # said when enabling: nothing else to tile
+            with pytest.raises(UnsupportedModelError, match="nothing to tile"):
+                hf_offload.enable_sequence_tiling(heads, tile_tokens=TILE, **only)
+        else:
+            hf_offload.enable_sequence_tiling(heads, tile_tokens=TILE, **only)
+            with counting_splits() as splits:
+                heads_step = step(heads)
+            (assert_close if model_type in HEADS_CLOSE else assert_same)(expected, heads_step)
+            assert (splits[0] > 0) == (model_type not in HEADS_WHOLE), f"attention calls split: {splits[0]}"
         sliced = [after > before for after, before in zip(tiled_calls, plain_calls, strict=True)]
         expected_sliced = [model_type not in RUNS_WHOLE] * len(sliced)
         if model_type in SLICED_IN_THE_FIRST_LAYER_ONLY:
@@ -273,7 +330,7 @@ def test_untrainable_types_still_fail_as_stated(model_type):
 def test_the_lists_name_causal_lm_types():
     listed = {
         *UNTRAINABLE, *STACKS, *OFFLOADS_NOTHING, *MLP_ELSEWHERE, *RUNS_WHOLE, *SLICED_IN_THE_FIRST_LAYER_ONLY,
-        *LOSS_UNTILED, *DROPOUT_IN_TILED_PARTS,
+        *LOSS_UNTILED, *DROPOUT_IN_TILED_PARTS, *HEADS_WHOLE, *HEADS_CLOSE,
     }  # fmt: skip
     assert listed <= set(CAUSAL_LM_TYPES), f"no longer causal-LM types: {sorted(listed - set(CAUSAL_LM_TYPES))}"
     listed_swept = {

@@ -534,7 +534,8 @@ def test_removing_the_state_from_under_a_later_wrapper_would_break_training(monk
         ({"tile_tokens": 0}, ValueError, "option tile_tokens must be an int >= 1 or None, got 0"),
         ({"tile_tokens": 2.5}, TypeError, "option tile_tokens must be an int >= 1 or None, got 2.5"),
         ({"mlp": "yes"}, TypeError, "option mlp must be True or False"),
-        ({"mlp": False, "norms": False, "projections": False, "loss": False}, ValueError, "tiles nothing"),
+        ({"mlp": False, "norms": False, "projections": False, "attention": False, "loss": False}, ValueError,
+         "tiles nothing"),
         ({"tiles": 4}, TypeError, "unknown sequence tiling option(s) 'tiles'"),
     ],
 )
@@ -551,3 +552,42 @@ def test_an_unsupported_model_is_named():
 
     with pytest.raises(hf_offload.UnsupportedModelError, match="NotALanguageModel"):
         hf_offload.enable_sequence_tiling(NotALanguageModel())
+
+
+# -- attention tiled over heads --------------------------------------------------------------------
+
+
+def test_attention_runs_a_group_of_key_value_heads_at_a_time(monkeypatch):
+    """Each attention call is split into one call per key/value head with its query heads (4 query
+    and 2 key/value heads here), bit-identical to the whole call; eval calls are whole; disabling
+    the last tiled model gives transformers' registry back its own functions."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from hf_offload.tiling import attention
+
+    plain = build("llama", dtype=torch.float32)
+    tiled = twin(plain)
+    original = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    hf_offload.enable_sequence_tiling(tiled, tile_tokens=TILE, mlp=False, norms=False, projections=False, loss=False)
+    wrapper = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    assert wrapper._hf_offload_heads_of is original
+    calls = []
+
+    def spy(module, query, key, value, mask, **kwargs):
+        calls.append((query.shape[1], key.shape[1]))
+        return original(module, query, key, value, mask, **kwargs)
+
+    registry = type(ALL_ATTENTION_FUNCTIONS)._global_mapping
+    monkeypatch.setitem(registry, "sdpa", attention._head_tiled(spy, "sdpa"))
+    expected = step(plain)
+    calls.clear()
+    assert_close(expected, step(tiled), rtol=0, atol=0)
+    layers = tiled.config.num_hidden_layers
+    assert calls == [(2, 1)] * 2 * layers  # two groups per call, in forward only: nothing is recomputed
+    calls.clear()
+    with torch.no_grad():
+        tiled(input_ids=ids())
+    assert calls == [(4, 2)] * layers
+    registry["sdpa"] = wrapper
+    hf_offload.disable_sequence_tiling(tiled)
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is original

@@ -325,9 +325,13 @@ def test_labels_that_do_not_match_the_logits_raise_as_untiled(case):
 
 
 def test_a_model_with_nothing_to_tile_is_named():
+    """A BERT encoder with eager attention: no MLP found, no norm in its layers' own children, an
+    attention computed by its own function, no lm_head."""
     from transformers import BertConfig, BertModel
 
-    model = BertModel(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64))
+    config = BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                        attn_implementation="eager")  # fmt: skip
+    model = BertModel(config)
     with pytest.raises(hf_offload.UnsupportedModelError, match="nothing to tile in BertModel"):
         hf_offload.enable_sequence_tiling(model)
     assert not hf_offload.is_sequence_tiling(model)

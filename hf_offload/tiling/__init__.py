@@ -27,6 +27,7 @@ from ..adapters import (
 )
 from ..config import TilingOptions, reject_positional
 from ..integrations.liger import fused_linear_cross_entropy_in_use
+from . import attention as attention_tiling
 from . import loss as loss_tiling
 from . import per_token
 
@@ -37,7 +38,7 @@ def enable_sequence_tiling(model: nn.Module, *positional: object, **options: obj
     """Tile the sequence through each decoder layer's per-token parts and through the loss head.
 
     Options (keyword-only) are described in `hf_offload.TilingOptions`: `mlp`, `norms`,
-    `projections`, `loss`, `tile_tokens`. Calling it again reconfigures. The loss head is tiled
+    `projections`, `attention`, `loss`, `tile_tokens`. Calling it again reconfigures. The loss head is tiled
     only where Liger's fused linear cross-entropy is not already computing the loss. A model with
     nothing to tile (no decoder layer with a per-token part, no lm_head) raises
     UnsupportedModelError.
@@ -45,7 +46,7 @@ def enable_sequence_tiling(model: nn.Module, *positional: object, **options: obj
     reject_positional("enable_sequence_tiling", positional, TilingOptions.option_names())
     parsed = TilingOptions.from_kwargs(**options)
     target = unwrap_model(model)
-    per_layer = parsed.mlp or parsed.norms or parsed.projections
+    per_layer = parsed.mlp or parsed.norms or parsed.projections or parsed.attention
     _adapter, layers = resolve_layers(target) if per_layer else (None, [])  # raises, naming the class
     mlps = resolve_mlps(target) if parsed.mlp else []
     head = target.get_output_embeddings() if parsed.loss and hasattr(target, "get_output_embeddings") else None
@@ -61,14 +62,28 @@ def enable_sequence_tiling(model: nn.Module, *positional: object, **options: obj
             "find_layers, find_mlp=...) names it)",
             type(target).__name__,
         )
-    attentions = []
+    attentions, head_tiled = [], []
     for layer in layers:
         if parsed.norms:
             modules.update((id(norm), norm) for norm in find_norms(layer))
-        if parsed.projections:
-            attention = find_attention(layer)
-            if attention is not None and any(is_linear_like(child) for child in attention.children()):
-                attentions.append(attention)
+        attention = find_attention(layer)
+        if attention is None:
+            continue
+        if parsed.projections and any(is_linear_like(child) for child in attention.children()):
+            attentions.append(attention)
+        if parsed.attention:
+            head_tiled.append(attention)
+    if head_tiled:
+        implementation = getattr(target.config.get_text_config(), "_attn_implementation", None)
+        if implementation not in attention_tiling.SPLITTABLE:
+            logger.warning(
+                "hf_offload: %s computes attention with %r, which sequence tiling does not split over heads "
+                "(it splits %s): attention runs with its heads whole",
+                type(target).__name__,
+                implementation,
+                ", ".join(attention_tiling.SPLITTABLE),
+            )
+            head_tiled = []
     tiles_loss = False
     if parsed.loss:
         if not isinstance(head, nn.Module) or isinstance(head, (nn.ModuleList, nn.ModuleDict)):
@@ -78,7 +93,7 @@ def enable_sequence_tiling(model: nn.Module, *positional: object, **options: obj
             logger.info("hf_offload: Liger's fused linear cross-entropy computes the loss: the loss head is left to it")
         else:
             tiles_loss = True
-    if not (modules or attentions or tiles_loss):
+    if not (modules or attentions or head_tiled or tiles_loss):
         raise UnsupportedModelError(
             f"hf_offload: sequence tiling finds nothing to tile in {type(target).__name__}: no decoder layer with a "
             "per-token MLP, norm or attention projection, and no lm_head whose loss it could compute (it is made "
@@ -87,6 +102,9 @@ def enable_sequence_tiling(model: nn.Module, *positional: object, **options: obj
         )
     for attention in attentions:
         per_token.tile_projections(attention, tile)
+    said: set[str] = set()  # one notice per model, whichever layer meets it first
+    for attention in head_tiled:
+        attention_tiling.install(attention, tile, said)
     for module in modules.values():
         per_token.install(module, tile)
     if tiles_loss:
@@ -98,6 +116,7 @@ def disable_sequence_tiling(model: nn.Module) -> None:
     target = unwrap_model(model)
     for module in target.modules():
         per_token.uninstall(module)
+        attention_tiling.uninstall(module)
         loss_tiling.uninstall(module)
 
 
@@ -105,7 +124,10 @@ def is_sequence_tiling(model: nn.Module) -> bool:
     """Read from the modules themselves: True when a part of a layer or the loss head is tiled."""
     target = unwrap_model(model)
     return any(
-        per_token.is_tiled(module) or per_token.PROJECTIONS_ATTR in module.__dict__ or loss_tiling.is_tiled(module)
+        per_token.is_tiled(module)
+        or per_token.PROJECTIONS_ATTR in module.__dict__
+        or attention_tiling.is_tiled(module)
+        or loss_tiling.is_tiled(module)
         for module in target.modules()
     )
 

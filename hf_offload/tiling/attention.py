@@ -1,0 +1,205 @@
+"""Attention tiled over heads: a group of key/value heads and their query heads at a time.
+
+Heads are independent, so attention computed a group at a time gives every head's output as the
+whole call does, while the kernel's own memory (FlashAttention's float32 gradient accumulators,
+keys and values expanded to every query head for grouped-query attention, an eager attention's
+score matrix) exists for one group at a time, in forward and above all in backward. The groups are
+views of the query, key and value tensors (`split`), and their outputs are joined (`cat`): autograd
+runs each group's backward in turn, and nothing is recomputed.
+
+It is installed in transformers' attention-function registry (`ALL_ATTENTION_FUNCTIONS`), around
+the functions registered for SDPA and FlashAttention: a wrapper that does what the registered
+function does unless the calling attention module belongs to a model whose attention tiling is
+on. Where the split is not known to be exact it runs the call whole and says so once: eager
+attention (each model has its own, not in the registry), flex attention (a score function may
+read the head index), a tensor argument of unknown layout.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+logger = logging.getLogger("hf_offload")
+
+HEADS_ATTR = "_hf_offload_tiled_heads"
+# Registered attention functions that compute each head on its own.
+SPLITTABLE = ("sdpa", "flash_attention_2", "flash_attention_3", "flash_attention_4")
+# The most groups a call is split into: more adds kernel launches and saves little more memory.
+MAX_GROUPS = 8
+# Tensor keyword arguments, by how they lay out heads: none (the same for every head), per head
+# on their first dimension (attention sinks), per head on their second (masks, position biases;
+# or 1 there, the same for every head).
+_NO_HEADS = frozenset({"position_ids", "cu_seq_lens_q", "cu_seq_lens_k"})
+_HEADS_FIRST = frozenset({"s_aux", "sinks"})
+_HEADS_SECOND = frozenset({"attention_mask", "position_bias"})
+
+
+@dataclass
+class HeadTiling:
+    """What tiling keeps on an attention block and the modules in it: the sequence length above
+    which it splits, how many calls it has split, what it has said."""
+
+    min_tokens: int
+    said: set = field(default_factory=set)
+    calls: int = 0  # attention-function calls that came through the registry
+    handles: list = field(default_factory=list)  # the block's hooks, which check that calls do
+
+
+def _say_once(tiling: HeadTiling, module: nn.Module, reason: str) -> None:
+    if reason not in tiling.said:
+        tiling.said.add(reason)
+        logger.warning("hf_offload: %s's attention runs with its heads whole: %s", type(module).__name__, reason)
+
+
+def _before_block(tiling: HeadTiling, block: nn.Module, args, kwargs) -> None:
+    block._hf_offload_calls_before = tiling.calls
+
+
+def _after_block(tiling: HeadTiling, block: nn.Module, args, kwargs, output) -> None:
+    """A training call of the block that never reached the registry computed attention itself."""
+    before = block.__dict__.pop("_hf_offload_calls_before", tiling.calls)
+    hidden = args[0] if args else kwargs.get("hidden_states")
+    long = isinstance(hidden, torch.Tensor) and hidden.dim() == 3 and hidden.shape[1] > tiling.min_tokens
+    if tiling.calls == before and long and torch.is_grad_enabled():
+        _say_once(tiling, block, "it computes attention itself, not through transformers' attention functions")
+
+
+_originals: dict[str, object] = {}  # the registered functions our wrappers took the place of
+_tiled_modules: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def _registry():
+    from transformers.modeling_utils import AttentionInterface
+
+    return AttentionInterface._global_mapping
+
+
+def _wrap_registry() -> None:
+    mapping = _registry()
+    for name in SPLITTABLE:
+        function = mapping.get(name)
+        if function is None or getattr(function, "_hf_offload_heads_of", None) is not None:
+            continue
+        _originals[name] = function
+        mapping[name] = _head_tiled(function, name)
+
+
+def _unwrap_registry() -> None:
+    mapping = _registry()
+    for name, function in list(_originals.items()):
+        if getattr(mapping.get(name), "_hf_offload_heads_of", None) is function:
+            mapping[name] = function
+        del _originals[name]
+
+
+def install(attention: nn.Module, min_tokens: int, said: set) -> None:
+    """Tile the attention block's calls over heads: the block, and the modules in it (BERT-style
+    blocks call the attention function from a child). `said`: what has been said, shared by the
+    model's blocks, so that each notice comes once per model."""
+    tiling = HeadTiling(min_tokens, said)
+    for module in attention.modules():
+        setattr(module, HEADS_ATTR, tiling)
+        _tiled_modules.add(module)
+    tiling.handles = [
+        attention.register_forward_pre_hook(functools.partial(_before_block, tiling), with_kwargs=True),
+        attention.register_forward_hook(functools.partial(_after_block, tiling), with_kwargs=True),
+    ]
+    _wrap_registry()
+
+
+def uninstall(attention: nn.Module) -> None:
+    tiling = attention.__dict__.pop(HEADS_ATTR, None)
+    if tiling is not None:
+        _tiled_modules.discard(attention)
+        for handle in tiling.handles:
+            handle.remove()
+        tiling.handles.clear()
+    if not _tiled_modules:
+        _unwrap_registry()
+
+
+def is_tiled(attention: nn.Module) -> bool:
+    return HEADS_ATTR in attention.__dict__
+
+
+def _head_tiled(function, name: str):
+    def attention(module, query, key, value, attention_mask, *args, **kwargs):
+        tiling: HeadTiling | None = getattr(module, HEADS_ATTR, None)
+        if tiling is None:
+            return function(module, query, key, value, attention_mask, *args, **kwargs)
+        tiling.calls += 1
+        if not torch.is_grad_enabled() or args or query.dim() != 4 or query.shape[2] <= tiling.min_tokens:
+            return function(module, query, key, value, attention_mask, *args, **kwargs)
+        groups, reason = _groups(query, key, value, attention_mask, kwargs)
+        if reason is not None:
+            _say_once(tiling, module, reason)
+            return function(module, query, key, value, attention_mask, *args, **kwargs)
+        heads, kv_heads = query.shape[1], key.shape[1]
+        outputs, weights = [], []
+        for q, k, v, mask, extra in zip(
+            query.split(heads // groups, dim=1),
+            key.split(kv_heads // groups, dim=1),
+            value.split(kv_heads // groups, dim=1),
+            _per_group(attention_mask, 1, heads, groups),
+            _kwargs_per_group(kwargs, heads, groups),
+            strict=True,
+        ):
+            output, weight = function(module, q, k, v, mask, **extra)
+            outputs.append(output)
+            weights.append(weight)
+        # (batch, tokens, heads, head_dim), as every registered function returns it
+        joined_weights = None if any(w is None for w in weights) else torch.cat(weights, dim=1)
+        return torch.cat(outputs, dim=2), joined_weights
+
+    attention._hf_offload_heads_of = function
+    attention.__name__ = getattr(function, "__name__", name)
+    attention.__doc__ = getattr(function, "__doc__", None)
+    return attention
+
+
+def _groups(query, key, value, attention_mask, kwargs) -> tuple[int, str | None]:
+    """How many groups of key/value heads the call splits into, or why it cannot be split."""
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        return 1, f"query, key and value of {query.dim()}, {key.dim()} and {value.dim()} dimensions"
+    heads, kv_heads = query.shape[1], key.shape[1]
+    if value.shape[1] != kv_heads or heads % kv_heads:
+        return 1, f"{heads} query heads against {kv_heads} key and {value.shape[1]} value heads"
+    for name, tensor in (("attention_mask", attention_mask), *kwargs.items()):
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0 or name in _NO_HEADS:
+            continue
+        if name in _HEADS_FIRST and tensor.shape[:1] == (heads,):
+            continue
+        if name in _HEADS_SECOND and (tensor.dim() < 4 or tensor.shape[1] in (1, heads)):
+            continue
+        head_dim = 0 if tensor.dim() == 1 else 1  # where a tensor of heads would have them
+        if name not in _HEADS_FIRST | _HEADS_SECOND and tensor.shape[head_dim] not in (heads, kv_heads):
+            continue  # of no head layout (labels passed along, say): the same for every group
+        return 1, f"its argument {name} of shape {tuple(tensor.shape)} may lay out heads in a way not known here"
+    if kv_heads == 1:
+        return 1, "one key/value head for all query heads (multi-query attention): no group of heads to split off"
+    groups = max(g for g in range(1, MAX_GROUPS + 1) if kv_heads % g == 0)
+    return groups, None
+
+
+def _per_group(tensor, dim: int, heads: int, groups: int) -> list:
+    if not isinstance(tensor, torch.Tensor) or tensor.dim() <= dim or tensor.shape[dim] != heads:
+        return [tensor] * groups
+    return list(tensor.split(heads // groups, dim=dim))
+
+
+def _kwargs_per_group(kwargs: dict, heads: int, groups: int) -> list[dict]:
+    pieces = {}
+    for name, value in kwargs.items():
+        if name in _HEADS_FIRST:
+            pieces[name] = _per_group(value, 0, heads, groups)
+        elif name in _HEADS_SECOND:
+            pieces[name] = _per_group(value, 1, heads, groups)
+        else:
+            pieces[name] = [value] * groups
+    return [{name: parts[index] for name, parts in pieces.items()} for index in range(groups)]
