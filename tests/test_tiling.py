@@ -561,13 +561,20 @@ def test_attention_runs_a_group_of_key_value_heads_at_a_time(monkeypatch):
     """Each attention call is split into one call per key/value head with its query heads (4 query
     and 2 key/value heads here), bit-identical to the whole call; eval calls are whole; disabling
     the last tiled model gives transformers' registry back its own functions."""
+    import weakref
+
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     from hf_offload.tiling import attention
 
+    registry = type(ALL_ATTENTION_FUNCTIONS)._global_mapping
+    original = getattr(registry["sdpa"], "_hf_offload_heads_of", registry["sdpa"])
+    # This test's own registry state (models of other tests may still be alive, tiled).
+    monkeypatch.setitem(registry, "sdpa", original)
+    monkeypatch.setattr(attention, "_originals", {})
+    monkeypatch.setattr(attention, "_tiled_modules", weakref.WeakSet())
     plain = build("llama", dtype=torch.float32)
     tiled = twin(plain)
-    original = ALL_ATTENTION_FUNCTIONS["sdpa"]
     hf_offload.enable_sequence_tiling(tiled, tile_tokens=TILE, mlp=False, norms=False, projections=False, loss=False)
     wrapper = ALL_ATTENTION_FUNCTIONS["sdpa"]
     assert wrapper._hf_offload_heads_of is original
@@ -577,8 +584,7 @@ def test_attention_runs_a_group_of_key_value_heads_at_a_time(monkeypatch):
         calls.append((query.shape[1], key.shape[1]))
         return original(module, query, key, value, mask, **kwargs)
 
-    registry = type(ALL_ATTENTION_FUNCTIONS)._global_mapping
-    monkeypatch.setitem(registry, "sdpa", attention._head_tiled(spy, "sdpa"))
+    registry["sdpa"] = attention._head_tiled(spy, "sdpa")
     expected = step(plain)
     calls.clear()
     assert_close(expected, step(tiled), rtol=0, atol=0)
@@ -591,3 +597,22 @@ def test_attention_runs_a_group_of_key_value_heads_at_a_time(monkeypatch):
     registry["sdpa"] = wrapper
     hf_offload.disable_sequence_tiling(tiled)
     assert ALL_ATTENTION_FUNCTIONS["sdpa"] is original
+
+
+def test_the_final_norm_runs_slice_by_slice_with_the_loss_head(monkeypatch):
+    """The final norm is per token: in a tiled-loss step it runs on one slice at a time with
+    lm_head, its output never made for the whole sequence, and its weight's gradient close to
+    the untiled one (the float64 tests above hold every gradient)."""
+    plain = build("llama")
+    tiled = twin(plain)
+    hf_offload.enable_sequence_tiling(tiled, tile_tokens=TILE, mlp=False, norms=False, projections=False)
+    norm = tiled.model.norm
+    widths = []
+    original = type(norm).forward
+    monkeypatch.setattr(
+        type(norm), "forward", lambda self, x: (self is norm and widths.append(x.shape[1])) or original(self, x)
+    )
+    expected, actual = step(plain), step(tiled)
+    assert_close(expected, actual, **FLOAT64)
+    assert widths and max(widths) <= TILE
+    assert widths.count(TILE) == 2 * SEQ // TILE  # each slice in forward and again in backward

@@ -141,12 +141,26 @@ ATTENTION_NAMES = ("self_attn", "attention", "attn", "self_attention")
 def find_norms(layer: nn.Module) -> list[nn.Module]:
     """A decoder layer's own normalisations (RMSNorm, LayerNorm: per token, over the hidden size),
     by class: torch's, or a class whose name ends in Norm (LlamaRMSNorm, not RobertaPreLayerNormAttention)."""
-    children = innermost(layer)._modules.values()
-    return [
-        module
-        for module in children
-        if isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith("Norm")
-    ]
+    return [module for module in innermost(layer)._modules.values() if module is not None and is_norm(module)]
+
+
+def is_norm(module: nn.Module) -> bool:
+    """torch's norms, or a class whose name ends in Norm (LlamaRMSNorm, not RobertaPreLayerNormAttention)."""
+    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith("Norm")
+
+
+def find_final_norm(model: nn.Module, layers: Sequence[nn.Module]) -> nn.Module | None:
+    """The norm between the last decoder layer and lm_head: the one norm the module holding the
+    layers registers after their list (LlamaModel.norm, GPT-2's ln_f). None where there is not
+    exactly one."""
+    first = layers[0] if layers else None
+    for stack in model.modules():
+        children = list(stack._modules.values())
+        for index, child in enumerate(children):
+            if isinstance(child, nn.ModuleList) and any(hook_point(item) is first for item in child):
+                norms = [module for module in children[index + 1 :] if module is not None and is_norm(module)]
+                return norms[0] if len(norms) == 1 else None
+    return None
 
 
 def find_attention(layer: nn.Module) -> nn.Module | None:

@@ -19,6 +19,7 @@ from torch import nn
 from ..adapters import (
     UnsupportedModelError,
     find_attention,
+    find_final_norm,
     find_norms,
     is_linear_like,
     resolve_layers,
@@ -108,7 +109,10 @@ def enable_sequence_tiling(model: nn.Module, *positional: object, **options: obj
     for module in modules.values():
         per_token.install(module, tile)
     if tiles_loss:
-        loss_tiling.install(target, parsed.tile_tokens)
+        # The final norm is per token too: it runs slice by slice with lm_head, so that its output
+        # and its float32 work never exist for the whole sequence.
+        final_norm = find_final_norm(target, layers or resolve_layers(target)[1])
+        loss_tiling.install(target, parsed.tile_tokens, final_norm)
 
 
 def disable_sequence_tiling(model: nn.Module) -> None:

@@ -71,6 +71,16 @@ class Targets:
             add(None, tensor)
         return targets
 
+    def merged(self, other: Targets) -> Targets:
+        """These targets and `other`'s, each tensor once."""
+        mine = {id(t) for t in (*self.tensors, *self.zero3)}
+        pairs = [(p, t) for p, t in zip(other.places, other.tensors, strict=True) if id(t) not in mine]
+        return Targets(
+            self.places + [p for p, _ in pairs],
+            self.tensors + [t for _, t in pairs],
+            self.zero3 + [t for t in other.zero3 if id(t) not in mine],
+        )
+
     def with_extra(self, tensors: Sequence[torch.Tensor]) -> Targets:
         """These targets and the tensors given (held directly), each once."""
         extra = Targets.of(None, [t for t in tensors if all(t is not mine for mine in (*self.tensors, *self.zero3))])

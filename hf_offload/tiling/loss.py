@@ -22,6 +22,7 @@ linear cross-entropy.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import types
 from dataclasses import dataclass
@@ -115,6 +116,8 @@ class DeferredLogits(torch.Tensor):
         name, in_place = _op_name(func)
         if name == "detach" and args and args[0] is deferred:  # module hooks detach outputs (ZeRO-3's)
             return DeferredLogits(deferred, deferred.source, deferred.ops, deferred.whole)
+        if name == "getitem" and len(args) == 2 and args[0] is deferred and _selects_everything(args[1]):
+            return deferred  # hidden_states[:, slice(-0, None), :]: logits_to_keep=0 keeps every position
         per_token = name in _PER_TOKEN_OPS and not deferred.whole and _per_token_operands(args, kwargs, deferred)
         if per_token:
             with torch._C.DisableTorchFunctionSubclass():
@@ -151,6 +154,16 @@ class DeferredLogits(torch.Tensor):
         return [a for _func, args, kwargs in self.ops for a in (*args, *kwargs.values()) if _needs_grad(a)]
 
 
+def _selects_everything(index) -> bool:
+    """An index that keeps every element: full slices and an Ellipsis."""
+    parts = index if isinstance(index, tuple) else (index,)
+    return all(
+        part is Ellipsis or (isinstance(part, slice) and part.step in (None, 1) and part.start in (None, 0)
+                             and part.stop is None)
+        for part in parts
+    )  # fmt: skip
+
+
 def _needs_grad(value) -> bool:
     return isinstance(value, torch.Tensor) and value.requires_grad
 
@@ -170,61 +183,97 @@ def _replay(logits: torch.Tensor, ops: tuple) -> torch.Tensor:
 
 
 @dataclass
-class _Source:
-    """The hidden states lm_head was given, the head module (whatever it is now: with LoRA on
-    lm_head, PEFT's) and the forward its call ran, and the tensors it needs gradients for, found
-    inside its call.
+class _Stage:
+    """A module the deferred computation runs, the forward its call ran (inside that call, hooks
+    around it), and the ops recorded on its output before the next stage took it."""
 
-    The slices are computed by that forward, inside one call of the head (`inside_a_call`): the
-    head's hooks run around them, once, as around any call of it (ZeRO-3 gathers its weight,
-    FSDP unshards it, a user's hook sees a call on the whole hidden states), and the ops recorded
-    on the deferred logits, those of the head's own output hooks included, are replayed on every
-    slice. Forwards that wrap the head's (accelerate's device hooks) are part of that forward,
-    and run for every slice."""
+    module: nn.Module
+    forward: object
+    ops: tuple = ()
+
+
+@dataclass
+class _Source:
+    """The hidden states the deferred stages were given (the final norm's input where the norm
+    is deferred too, else lm_head's), the stages (the final norm, lm_head: whatever modules they
+    are now, with LoRA on lm_head PEFT's), and the tensors they need gradients for, found inside
+    their calls.
+
+    The slices are computed by the stages' forwards, inside one call of each stage's module
+    (`inside_a_call`): their hooks run around them, once, as around any call (ZeRO-3 gathers the
+    weight, FSDP unshards it, a user's hook sees a call on the whole sequence), and the ops
+    recorded on each stage's deferred output, those of its own output hooks included, are
+    replayed on every slice. Forwards that wrap a stage's (accelerate's device hooks) are part of
+    that forward, and run for every slice."""
 
     hidden: torch.Tensor
-    head: nn.Module
-    head_forward: object
+    stages: tuple[_Stage, ...]
     targets: Targets
-    like: torch.Tensor  # the logits' shape and dtype, over one element
+    like: torch.Tensor  # the last stage's output: shape and dtype, over one element
     slot: LossSlot
-    in_call: bool = True  # until the head's call returns: its hooks may still be recording
+    in_call: bool = True  # until the last stage's call returns: its hooks may still be recording
 
-    def inside_a_call(self, work):
-        """`work()`, run inside one call of the head on the whole hidden states."""
-        head, done = self.head, []
+    def then(self, module: nn.Module, forward, ops: tuple, like: torch.Tensor, targets: Targets) -> _Source:
+        """This source's deferred output (after `ops`) given to one more stage."""
+        stages = (*self.stages[:-1], _Stage(self.stages[-1].module, self.stages[-1].forward, ops))
+        return _Source(self.hidden, (*stages, _Stage(module, forward)), targets, like, self.slot)
 
-        def driving(*args, **kwargs):
-            done.append(work())
-            return DeferredLogits(self.like, self)  # for the head's output hooks: holds nothing
+    def through(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The last stage's output for `hidden` (the whole sequence's or a slice's)."""
+        for stage in self.stages:
+            hidden = _replay(stage.forward(hidden), stage.ops)
+        return hidden
 
-        previous = head.__dict__.get("forward")
-        head.forward = driving
-        try:
-            head(self.hidden)
-        finally:
-            if previous is None:
-                head.__dict__.pop("forward", None)
-            else:
-                head.forward = previous
+    def inside_a_call(self, work, hidden: torch.Tensor | None = None):
+        """`work()`, run inside one call of each stage's module, given the whole hidden states
+        (`hidden`, or the source's own)."""
+        hidden = self.hidden if hidden is None else hidden
+        done = []
+
+        def call(index: int):
+            if index == len(self.stages):
+                done.append(work())
+                return
+            module = self.stages[index].module
+
+            def driving(*args, **kwargs):
+                call(index + 1)
+                return DeferredLogits(self.like, self)  # for the module's output hooks: holds nothing
+
+            previous = module.__dict__.get("forward")
+            module.forward = driving
+            try:
+                module(hidden)
+            finally:
+                if previous is None:
+                    module.__dict__.pop("forward", None)
+                else:
+                    module.forward = previous
+
+        call(0)
         return done[0]
 
     def logits(self, ops: tuple) -> torch.Tensor:
-        if self.in_call:  # a hook of the head's call: its parameters are there for this call already
-            return _replay(self.head_forward(self.hidden), ops)
-        return self.inside_a_call(lambda: _replay(self.head_forward(self.hidden), ops))
+        """The last stage's whole output, after `ops`."""
+        if self.in_call and len(self.stages) == 1:  # a hook of the stage's call: its parameters are there
+            return _replay(self.through(self.hidden), ops)
+        return self.inside_a_call(lambda: _replay(self.through(self.hidden), ops))
 
     def note_materialised(self, func) -> None:
         name = func if isinstance(func, str) else getattr(func, "__name__", func)
+        what = "its logits" if len(self.stages) > 1 or self.stages[0].module is not self.slot.final_norm else (
+            "its final norm's output"
+        )
         self.slot.warn_once(
             "materialised",
-            f"hf_offload: {self.slot.model_name} applies {name} to its logits, which the "
-            "tiled loss cannot do one slice of tokens at a time; its loss runs untiled",
+            f"hf_offload: {self.slot.model_name} applies {name} to {what}, which the tiled loss cannot do one slice "
+            "of tokens at a time; its loss runs untiled",
         )
 
 
 def _end_of_head_call(module: nn.Module, args, output) -> None:
-    """lm_head's last forward hook while the model's forward defers its logits."""
+    """The last forward hook of lm_head (and of the final norm) while the model's forward defers
+    their outputs."""
     if isinstance(output, DeferredLogits):
         output.source.in_call = False
 
@@ -249,7 +298,7 @@ class _LossRun:
     replay: Replay | None = None
 
     def slice_loss(self, hidden: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-        logits = _replay(self.source.head_forward(hidden), self.ops)
+        logits = _replay(self.source.through(hidden), self.ops)
         return _cross_entropy_sum(logits, self.labels[:, start:stop], self.ignore_index)
 
 
@@ -268,7 +317,7 @@ class _TiledLoss(torch.autograd.Function):
                 run.replay.slice_done(last=index == last)
             return total
 
-        return run.source.inside_a_call(slices) / run.divisor
+        return run.source.inside_a_call(slices, hidden) / run.divisor
 
     @staticmethod
     def backward(ctx, grad_loss):
@@ -283,7 +332,8 @@ class _TiledLoss(torch.autograd.Function):
         grad_hidden, sums = run.source.inside_a_call(
             lambda: backward_by_slices(
                 hidden, run.bounds, ctx.needs_input_grad[1], run.targets, run.replay.replaying, recompute
-            )
+            ),
+            hidden,
         )
         return (None, grad_hidden, *sums)
 
@@ -291,10 +341,11 @@ class _TiledLoss(torch.autograd.Function):
 class LossSlot:
     """What tiling keeps on the causal LM: the forward it wraps and the tile size."""
 
-    def __init__(self, tile_tokens: int | None, previous_forward, model_name: str) -> None:
+    def __init__(self, tile_tokens: int | None, previous_forward, model_name: str, final_norm=None) -> None:
         self.tile_tokens = tile_tokens
         self.previous_forward = previous_forward
         self.model_name = model_name
+        self.final_norm = final_norm  # run slice by slice with lm_head (None: not found, or not asked for)
         self.active = True  # False: disabled while another wrapper still holds ours (a pass-through)
         self._warned: set[str] = set()
 
@@ -321,17 +372,31 @@ class LossSlot:
 
     @contextlib.contextmanager
     def deferring(self, model: nn.Module) -> contextlib.AbstractContextManager:
-        """For one forward: lm_head returns deferred logits and the loss function computes the
-        tiled loss. Both are put back afterwards, whatever happens."""
-        head = model.get_output_embeddings()
-        previous_head = head.__dict__.get("forward")
-        head_forward = previous_head if previous_head is not None else types.MethodType(type(head).forward, head)
+        """For one forward: the final norm (where found) and lm_head return deferred outputs, and
+        the loss function computes the tiled loss. All are put back afterwards, whatever happens."""
+        head, norm, slot = model.get_output_embeddings(), self.final_norm, self
         missing = object()
         previous_loss = model.__dict__.get("_loss_function", missing)
-        slot = self
+        norm_forward = _own_forward(norm) if norm is not None else None
+        head_forward = _own_forward(head)
+
+        @torch.compiler.disable(reason=_UNDER_COMPILE)
+        def deferred_norm(hidden, *args, **kwargs):
+            if args or kwargs or not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
+                return norm_forward(hidden, *args, **kwargs)
+            like = _like(norm_forward, hidden)
+            return DeferredLogits(like, _Source(hidden, (_Stage(norm, norm_forward),), Targets.of(norm), like, slot))
 
         @torch.compiler.disable(reason=_UNDER_COMPILE)
         def deferred_head(hidden, *args, **kwargs):
+            if isinstance(hidden, DeferredLogits) and (args or kwargs or hidden.whole):
+                hidden = hidden.materialise()
+            if isinstance(hidden, DeferredLogits):  # the final norm's output, still deferred
+                source = hidden.source
+                first = source.inside_a_call(lambda: _replay(source.through(source.hidden[:, :1]), hidden.ops))
+                like = _like(head_forward, first, hidden.shape[1])
+                targets = source.targets.merged(Targets.of(head)).with_extra(hidden.learnable_operands())
+                return DeferredLogits(like, source.then(head, head_forward, hidden.ops, like, targets))
             if args or kwargs or not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
                 slot.warn_once(
                     "head_input",
@@ -339,11 +404,8 @@ class LossSlot:
                     "states alone; its loss runs untiled",
                 )
                 return head_forward(hidden, *args, **kwargs)
-            # The logits' dtype and width, from one token, drawing no random numbers (LoRA dropout).
-            with torch.no_grad(), torch.random.fork_rng(devices=_devices_of(hidden), device_type=hidden.device.type):
-                first = head_forward(hidden[:, :1])
-            like = first.expand(hidden.shape[0], hidden.shape[1], first.shape[-1])
-            return DeferredLogits(like, _Source(hidden, head, head_forward, Targets.of(head), like, slot))
+            like = _like(head_forward, hidden)
+            return DeferredLogits(like, _Source(hidden, (_Stage(head, head_forward),), Targets.of(head), like, slot))
 
         @torch.compiler.disable(reason=_UNDER_COMPILE)
         def tiled_loss(logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=-100,
@@ -357,21 +419,41 @@ class LossSlot:
                 return ForCausalLMLoss(logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels)
             return _tiled_loss(slot, logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels)
 
-        head.forward = deferred_head
-        model._loss_function = tiled_loss
-        end_of_call = head.register_forward_hook(_end_of_head_call, always_call=True)  # the last one
+        deferred = [(head, deferred_head)] + ([(norm, deferred_norm)] if norm is not None else [])
+        previous = [(module, module.__dict__.get("forward")) for module, _ in deferred]
+        ends = []
         try:
+            for module, forward in deferred:
+                module.forward = forward
+                ends.append(module.register_forward_hook(_end_of_head_call, always_call=True))  # the last one
+            model._loss_function = tiled_loss
             yield
         finally:
-            end_of_call.remove()
-            if previous_head is None:
-                head.__dict__.pop("forward", None)
-            else:
-                head.forward = previous_head
+            for end in ends:
+                end.remove()
+            for module, forward in previous:
+                if forward is None:
+                    module.__dict__.pop("forward", None)
+                else:
+                    module.forward = forward
             if previous_loss is missing:
                 model.__dict__.pop("_loss_function", None)
             else:
                 model._loss_function = previous_loss
+
+
+def _own_forward(module: nn.Module):
+    """The forward a call of `module` runs now: an instance-level one, or its class's."""
+    previous = module.__dict__.get("forward")
+    return previous if previous is not None else types.MethodType(type(module).forward, module)
+
+
+def _like(forward, hidden: torch.Tensor, tokens: int | None = None) -> torch.Tensor:
+    """`forward`'s output for the whole sequence, as shape and dtype over one element: computed for
+    the first token, without grad and drawing no random numbers (LoRA dropout)."""
+    with torch.no_grad(), torch.random.fork_rng(devices=_devices_of(hidden), device_type=hidden.device.type):
+        first = forward(hidden[:, :1])
+    return first.expand(hidden.shape[0], tokens or hidden.shape[1], first.shape[-1])
 
 
 def _devices_of(tensor: torch.Tensor) -> list:
@@ -401,7 +483,10 @@ def _tiled_loss(slot: LossSlot, logits: DeferredLogits, labels, vocab_size, num_
     tile = slot.tile_tokens if slot.tile_tokens is not None else loss_tile_tokens(logits.shape[-1])
     bounds = [(start, min(start + tile, length)) for start in range(0, length, tile)]
     targets = source.targets.with_extra(logits.learnable_operands())
-    run = _LossRun(source, logits.ops, shift_labels, ignore_index, divisor, bounds, targets)
+    # The run holds no reference to the hidden states besides the Function's saved one, which
+    # backward frees (the loss tensor keeps the run alive through the whole backward).
+    run = _LossRun(dataclasses.replace(source, hidden=None), logits.ops, shift_labels, ignore_index, divisor, bounds,
+                   targets)  # fmt: skip
     slot.warn_once(
         "no_logits",
         f"hf_offload: the tiled loss computes {slot.model_name}'s training loss without the full logits: in "
@@ -466,10 +551,10 @@ def tiled_loss_forward(self: nn.Module, *args, **kwargs):
     return _without_deferred(output)
 
 
-def install(model: nn.Module, tile_tokens: int | None) -> None:
+def install(model: nn.Module, tile_tokens: int | None, final_norm: nn.Module | None = None) -> None:
     name = type(model).__name__
     instance_forward.install(
-        model, tiled_loss_forward, LOSS_STATE_ATTR, lambda previous: LossSlot(tile_tokens, previous, name)
+        model, tiled_loss_forward, LOSS_STATE_ATTR, lambda previous: LossSlot(tile_tokens, previous, name, final_norm)
     )
 
 
