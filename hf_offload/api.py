@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from . import auto_budget, instance_forward
-from .adapters import resolve_layers, unwrap_model
+from .adapters import find_attention, innermost, is_linear_like, resolve_layers, unwrap_model
 from .compiling import under_torch_compile
 from .config import OffloadOptions, reject_positional
 from .engine import ActivationOffloader, OffloadStats, in_backward
@@ -175,7 +175,9 @@ def _watch_module_structure() -> None:
 
 
 class _LayerSlot:
-    __slots__ = ("controller", "position", "previous_forward", "installation", "name", "_modules", "_device_probe")
+    __slots__ = (
+        "controller", "position", "previous_forward", "installation", "name", "_modules", "_device_probe", "late_hook"
+    )  # fmt: skip
 
     def __init__(self, controller: _Controller, position: int, previous_forward: object, layer: nn.Module) -> None:
         self.controller = controller
@@ -186,6 +188,7 @@ class _LayerSlot:
         self.name = f"{position} ({type(layer).__name__})"
         self._modules = _ModuleCache()
         self._device_probe: tuple[nn.Module, str] | None = None
+        self.late_hook = None  # on the attention's first projection: the end of the layer's peak in backward
 
     def for_replica(self, replica: nn.Module) -> _LayerSlot:
         """The same slot for an nn.DataParallel replica of the layer, with caches of its own."""
@@ -279,6 +282,7 @@ class _EagerScope:
             protected=functools.partial(slot.tensors, layer),
             pass_protected=controller.tensors_outside_layers,
             tokens=_tokens(self.args, self.kwargs) if first else None,
+            late_point=slot.late_hook is not None and _checkpointed(layer),
         )
         if group is None:
             return
@@ -291,6 +295,36 @@ class _EagerScope:
         if self.group is not None:
             self.hooks.__exit__(*exc_info)
             self.controller.engine.exit_layer(self.group, self.slot.name)
+
+
+def _checkpointed(layer: nn.Module) -> bool:
+    """The layer's activations are recomputed in backward: transformers' checkpointing, or a
+    checkpoint wrapper around it."""
+    return bool(getattr(innermost(layer), "gradient_checkpointing", False)) or _CHECKPOINTED in layer._modules
+
+
+_CHECKPOINTED = "_checkpoint_wrapped_module"
+
+
+def _after_attention_projection(engine, module: nn.Module, args, output) -> None:
+    """Forward hook on a layer's first attention projection: the gradient of its output arrives in
+    backward once the attention's backward, the layer's peak, is done, and the layers before it
+    may come back then (`ActivationOffloader.prefetch_point`). Hooked on the graph backward runs
+    through: the forward's (a non-reentrant checkpoint's recompute only refills saved tensors),
+    or a reentrant checkpoint's recompute. Under torch.compile it does nothing (traced as such,
+    it leaves the compiled graph as it would be without offloading), and the layers before come
+    back at the layer's backward start."""
+    if torch.compiler.is_compiling() or not (isinstance(output, torch.Tensor) and output.requires_grad):
+        return
+    group = engine.backward_group() if in_backward() else engine.forward_group()
+    if group is not None and group.late_point:
+        output.register_hook(functools.partial(_past_the_peak, engine, weakref.ref(group)))
+
+
+def _past_the_peak(engine, group: weakref.ref, grad: torch.Tensor) -> None:
+    layer_group = group()
+    if layer_group is not None:
+        engine.prefetch_point(layer_group)
 
 
 def _tokens(args: tuple, kwargs: dict) -> int | None:
@@ -350,6 +384,13 @@ def _install(controller: _Controller, layers: Sequence[nn.Module]) -> None:
             lambda previous, position=position, layer=layer: _LayerSlot(controller, position, previous, layer),
         )
         layer._replicate_for_data_parallel = instance_forward.BoundMethod(_replicate_with_offloading, layer)
+        attention = find_attention(innermost(layer))
+        projection = next((c for c in attention.children() if is_linear_like(c)), None) if attention else None
+        slot = layer.__dict__[LAYER_STATE_ATTR]
+        if projection is not None and slot.late_hook is None:
+            slot.late_hook = projection.register_forward_hook(
+                functools.partial(_after_attention_projection, controller.engine)
+            )
     controller.layers = unique
 
 
@@ -358,6 +399,9 @@ def _uninstall(controller: _Controller) -> None:
         slot: _LayerSlot | None = layer.__dict__.get(LAYER_STATE_ATTR)
         if slot is None:
             continue
+        if slot.late_hook is not None:
+            slot.late_hook.remove()
+            slot.late_hook = None
         if instance_forward.wraps(layer, _offloaded_forward):
             if slot.previous_forward is None:
                 del layer.forward

@@ -65,6 +65,12 @@ def current_backward_id() -> int:
     return torch._C._current_graph_task_id()
 
 
+# What a layer before a checkpointed one must hold for its copies back to wait for that layer's
+# peak to pass (`ActivationOffloader._restore_ahead`): below it the memory held through the peak
+# is too small to matter (8B's input at 32k tokens), and copying ahead as early as possible is safest.
+LATE_PREFETCH_BYTES = 256 * 2**20
+
+
 def _offloader_with_options(options: dict) -> ActivationOffloader:
     return ActivationOffloader(**options)
 
@@ -218,6 +224,8 @@ class LayerGroup:
         "disk_copies",
         "disk_bytes",
         "refused_bytes",
+        "late_point",
+        "late_pending",
         "__weakref__",
     )
 
@@ -246,6 +254,8 @@ class LayerGroup:
         self.disk_copies = 0
         self.disk_bytes = 0
         self.refused_bytes = 0  # host bytes of the copies no tier took (kept 'over_budget')
+        self.late_point = False  # the layer signals the end of its peak in backward (`prefetch_point`)
+        self.late_pending = False  # the layers before it come back at that point, not at its backward start
 
     def protected_storages(self) -> set[int]:
         """The storages of the layer's parameters and buffers and of the model's others, read on
@@ -428,6 +438,7 @@ class ActivationOffloader:
         self._last_group: weakref.ref[LayerGroup] | None = None
         self._sequence = 0
         self._backward_id = -1
+        self._backward_group: weakref.ref[LayerGroup] | None = None
         self._backward_since_step_start = False
         self._warned: set[str] = set()
         # The budget's plan: measured per layer position of the last complete pass.
@@ -669,6 +680,7 @@ class ActivationOffloader:
         pass_protected: Callable[[], Iterable[torch.Tensor]],
         name: str = "?",
         tokens: int | None = None,
+        late_point: bool = False,
     ) -> LayerGroup | None:
         """The group whose hooks route this layer call's saved tensors; None when the engine
         stays out of it (not training, grad off, inside backward, or on the CPU).
@@ -677,7 +689,9 @@ class ActivationOffloader:
         of the model outside the layers; both are read during the call (on first need), so they
         are right after PEFT, dtype changes or sharding. `tokens`, given with `starts_pass`, is
         the number of tokens the pass carries (for the device-memory budget's plan). `name`
-        names the layer in warnings (`exit_layer` takes it)."""
+        names the layer in warnings (`exit_layer` takes it). `late_point`: the layer is checkpointed
+        and will call `prefetch_point` in its backward once its peak (attention's backward) is
+        past, so that the layers before it may come back then rather than at its start."""
         # Decided here, not in the pack hook: autograd calls pack hooks with grad mode off.
         if not (training and torch.is_grad_enabled()) or device is None or in_backward():
             return None
@@ -701,6 +715,7 @@ class ActivationOffloader:
             group = LayerGroup(self, context, self._sequence, position, keep, kept_reason, protected, self._last_group)
             if self._disk_positions is not None and position < self._disk_positions:
                 group.to_disk = True
+            group.late_point = late_point
             self._last_group = weakref.ref(group)
             self._step_groups.add(group)
         return group
@@ -916,8 +931,17 @@ class ActivationOffloader:
             owner, batch = self._in_flight.popleft()
             owner.release(batch)
 
+    def forward_group(self) -> LayerGroup | None:
+        """The group of the layer call running in forward (the last one entered)."""
+        return self._last_group() if self._last_group is not None else None
+
+    def backward_group(self) -> LayerGroup | None:
+        """The group whose layer's backward (or checkpoint recompute) is running."""
+        return self._backward_group() if self._backward_group is not None else None
+
     def _backward_reached(self, group: LayerGroup, backward: int) -> None:
         """The backward pass has reached `group`: its layer's backward is starting."""
+        self._backward_group = weakref.ref(group)
         if backward != self._backward_id:
             self._backward_id = backward
             self._backward_since_step_start = True
@@ -945,18 +969,34 @@ class ActivationOffloader:
         step.peak_backward_held_bytes = max(step.peak_backward_held_bytes, self.ledger.peak_device_bytes)
         self._note_resident()
 
-    def _restore_ahead(self, group: LayerGroup) -> None:
+    def _restore_ahead(self, group: LayerGroup, late: bool = False) -> None:
         """Every decision of what comes back when, in one place: at the start of `group`'s
         backward, copies back to the device for it and the `prefetch_layers` layers before it, and
         with the disk tier, reads into host memory for the `disk_readahead_layers` before it (a
-        read started far enough ahead has finished by the time its copy back is due)."""
+        read started far enough ahead has finished by the time its copy back is due).
+
+        The layers before a checkpointed layer that signals the end of its peak come back at that
+        signal instead (`late`, from `prefetch_point`), when what they hold is at least
+        `LATE_PREFETCH_BYTES`: a layer's input then takes less time to copy back than the rest of
+        that layer's backward after its attention (the projections' backward), and holding it
+        through the peak would cost device memory the copy does not need to hide."""
         step = self.step
         store = self.disk
         reach = self.prefetch_layers
         read_reach = -1
-        if store is not None:
+        if store is not None and not late:
             store.reap()
             read_reach = self.disk_readahead_layers()
+        previous = group.prev() if group.prev is not None else None
+        if (
+            not late
+            and group.late_point
+            and reach > 0
+            and previous is not None
+            and previous.offloaded_bytes + previous.shared_bytes >= LATE_PREFETCH_BYTES
+        ):
+            group.late_pending = True
+            reach = 0  # the rest at `prefetch_point`
         limit = self.max_host_bytes
         current: LayerGroup | None = group
         for distance in range(max(reach, read_reach) + 1):
@@ -973,7 +1013,7 @@ class ActivationOffloader:
                         and not copy.store.read(copy, current.device, limit, needed_now=distance == 0)
                     ):
                         break  # no host room for more reads ahead now: again at the next layer
-            if distance <= reach:
+            if distance <= reach and not (late and distance == 0):
                 restored = current.device.restore_async(copies)
                 if restored:
                     if distance == 0:
@@ -982,6 +1022,15 @@ class ActivationOffloader:
                         step.restored_ahead += restored
                     self._holding_ahead.append(weakref.ref(current))
             current = current.prev() if current.prev is not None else None
+
+    def prefetch_point(self, group: LayerGroup) -> None:
+        """`group`'s layer has passed its peak in backward (its attention's backward is done): the
+        layers before it that wait for this come back now."""
+        if not group.late_pending:
+            return
+        with self._lock:
+            group.late_pending = False
+            self._restore_ahead(group, late=True)
 
     def disk_readahead_layers(self) -> int:
         """How many layers ahead of the one in backward the disk's reads start: one more than the
