@@ -45,11 +45,16 @@ class _Controller:
         self.unmovable: list[int] | None = None  # layer ids found inside a checkpoint we cannot wrap
         self.installations = 0
         self._outside: _ModuleCache = _ModuleCache()
+        self.embeddings_hook = None  # records the input embeddings' output of each pass
+        self.embeddings_output: weakref.ref | None = None
+        self.anchor: torch.Tensor | None = None  # what layer 0's detoured input depends on for autograd
 
     def __getstate__(self) -> dict:
         # A pickled or deep-copied model offloads as this one does, from a fresh start: what was
         # learnt about the layers and their storages belongs to this model's process.
-        return {**self.__dict__, "paused": False, "unmovable": None, "_outside": _ModuleCache()}
+        return {
+            **self.__dict__, "paused": False, "unmovable": None, "_outside": _ModuleCache(), "embeddings_output": None
+        }  # fmt: skip
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -297,6 +302,57 @@ class _EagerScope:
             self.controller.engine.exit_layer(self.group, self.slot.name)
 
 
+def _record_embeddings_output(controller: _Controller, module: nn.Module, args, output) -> None:
+    """Forward hook on the input embeddings (registered after PEFT's, which makes their output
+    require grad under checkpointing): which tensor this pass's embeddings returned."""
+    if isinstance(output, torch.Tensor) and not torch.compiler.is_compiling():
+        controller.embeddings_output = weakref.ref(output)
+
+
+class _Detour(torch.autograd.Function):
+    """The embeddings' output as layer 0 takes it, no longer a leaf of the graph.
+
+    With frozen embeddings and checkpointing, PEFT makes the embeddings' output require grad
+    (`enable_input_require_grads`): a leaf, which autograd's AccumulateGrad node holds until the
+    graph is freed, so layer 0's checkpoint input stayed on the device whatever was copied. Its
+    gradient goes nowhere anyone reads (the tensor is the model's own, dropped after forward), so
+    layer 0 takes a detached alias of it, made part of the graph through a scalar anchor: the
+    same values, the same gradients for every parameter, and an input that offloading frees."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        ctx.anchor = (anchor.dtype, anchor.device)
+        return hidden.view_as(hidden)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        dtype, device = ctx.anchor
+        return None, torch.zeros((), dtype=dtype, device=device)
+
+
+# Off only to compare with measurements made before it existed (the simulator's H200 check).
+DETOUR_EMBEDDINGS_OUTPUT = True
+
+
+@torch.compiler.disable(reason=_UNDER_COMPILE)
+def _detoured_input(controller: _Controller, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Layer 0's arguments, its hidden states detoured (`_Detour`) where they are this pass's
+    embeddings' output and a leaf that requires grad; else as given (an `inputs_embeds` a user
+    passed, whose gradient the user may read, is left alone)."""
+    if not DETOUR_EMBEDDINGS_OUTPUT:
+        return args, kwargs
+    recorded = controller.embeddings_output() if controller.embeddings_output is not None else None
+    positional = bool(args)
+    hidden = args[0] if positional else kwargs.get("hidden_states")
+    if recorded is None or hidden is not recorded or not (hidden.is_leaf and hidden.requires_grad):
+        return args, kwargs
+    anchor = controller.anchor
+    if anchor is None:
+        anchor = controller.anchor = torch.zeros((), requires_grad=True)
+    detoured = _Detour.apply(hidden.detach(), anchor)
+    return ((detoured, *args[1:]), kwargs) if positional else (args, {**kwargs, "hidden_states": detoured})
+
+
 def _checkpointed(layer: nn.Module) -> bool:
     """The layer's activations are recomputed in backward: transformers' checkpointing, or a
     checkpoint wrapper around it."""
@@ -353,8 +409,10 @@ def _offloaded_forward(self: nn.Module, *args, **kwargs):
     # Evaluation, no_grad and generate(): the engine does nothing, so nothing of it runs.
     if not (self.training and torch.is_grad_enabled()):
         return forward(*args, **kwargs)
-    if slot.position == 0 and under_torch_compile():  # the first layer speaks for the pass
-        controller.engine._warn_once("compile", "hf_offload: " + _UNDER_COMPILE)
+    if slot.position == 0:
+        if under_torch_compile():  # the first layer speaks for the pass
+            controller.engine._warn_once("compile", "hf_offload: " + _UNDER_COMPILE)
+        args, kwargs = _detoured_input(controller, args, kwargs)
     with _EagerScope(controller, slot, self, args, kwargs):
         return forward(*args, **kwargs)
 
@@ -502,6 +560,11 @@ def enable_activation_offloading(model: nn.Module, *positional: object, **option
     controller.adapter = _adapter
     _watch_module_structure()
     _install(controller, layers)
+    embeddings = target.get_input_embeddings() if hasattr(target, "get_input_embeddings") else None
+    if isinstance(embeddings, nn.Module) and controller.embeddings_hook is None:
+        controller.embeddings_hook = embeddings.register_forward_hook(
+            functools.partial(_record_embeddings_output, controller)
+        )
     if not target.training:
         logger.info(
             "hf_offload: %s is in eval mode; offloading engages once it trains (model.train(), which "
@@ -521,6 +584,9 @@ def disable_activation_offloading(model: nn.Module) -> None:
     if controller is None:
         return
     _uninstall(controller)
+    if controller.embeddings_hook is not None:
+        controller.embeddings_hook.remove()
+        controller.embeddings_hook = None
     delattr(target, MODEL_STATE_ATTR)
     controller.engine.close()  # the disk tier's file and threads, the host pool's free buffers
 

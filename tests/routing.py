@@ -68,16 +68,18 @@ def record_layer_saves(model: torch.nn.Module) -> Iterator[list[list[torch.Tenso
 def expected_offload(model: torch.nn.Module, saved: list[list[torch.Tensor]], keep_last_layers: int = 1):
     """(tensors, bytes) the engine should offload with min_offload_bytes=0: every non-parameter
     storage saved in an offloaded layer, once per storage and version, but leaves that require
-    grad (the graph holds those anyway: the embeddings' output under checkpointing with LoRA)."""
+    grad (the graph holds those anyway), except layer 0's input where it is the embeddings' output
+    (under checkpointing with LoRA: layer 0 takes it detoured, and it is offloaded)."""
     protected = parameter_ptrs(model)
     seen = set()
     count = total = 0
-    for layer_saves in saved[: len(saved) - keep_last_layers]:
-        for tensor in layer_saves:
+    for position, layer_saves in enumerate(saved[: len(saved) - keep_last_layers]):
+        for index, tensor in enumerate(layer_saves):
             storage = tensor.untyped_storage()
             if storage.data_ptr() in protected or tensor.numel() == 0:
                 continue
-            if tensor.requires_grad and tensor.grad_fn is None:
+            detoured = position == 0 and index == 0  # the layer's input, saved first by its checkpoint
+            if tensor.requires_grad and tensor.grad_fn is None and not detoured:
                 continue
             key = (id(storage), tensor._version)
             if key in seen:

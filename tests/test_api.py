@@ -236,3 +236,27 @@ def test_deepcopied_model_has_its_own_state():
             p.add_(1.0)
     loss_clone_again, _ = train_step(clone, batch())
     assert torch.equal(loss_clone, loss_clone_again)
+
+
+def test_layer_0_takes_the_frozen_embeddings_output_detoured_and_a_users_inputs_embeds_as_given():
+    """With LoRA and checkpointing, PEFT makes the embeddings' output require grad: a leaf the
+    graph would hold, which layer 0 takes detoured so that offloading frees it (bit-identical).
+    An inputs_embeds the user passes, requiring grad, is not detoured: its gradient is theirs."""
+    from peft import LoraConfig, get_peft_model
+
+    base = tiny_model()
+    base.activation_checkpointing_enable()
+    plain = get_peft_model(base, LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+    offloaded = twin(plain)
+    offloaded.enable_activation_offloading(simulate_on_cpu=True, min_offload_bytes=0)
+    assert_same_step(plain, offloaded, batch())
+    stats = offloaded.activation_offloading_stats()
+    assert stats.kept_tensors["leaf"] == 0 and stats.offloaded_tensors == offloaded.config.num_hidden_layers - 1
+
+    embeds = []
+    for model in (plain, offloaded):
+        inputs = model.get_input_embeddings()(batch()).detach().requires_grad_(True)
+        model(inputs_embeds=inputs, labels=batch()).loss.backward()
+        embeds.append(inputs.grad)
+    assert embeds[1] is not None and torch.equal(embeds[0], embeds[1])
+    assert offloaded.activation_offloading_stats().kept_tensors["leaf"] == 1
