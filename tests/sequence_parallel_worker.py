@@ -33,7 +33,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: E402
 import hf_offload  # noqa: E402
 from hf_offload.integrations import sequence_parallel as sp  # noqa: E402
 
-SP = 2
+SP = 2  # the SP group is the whole world: main() sets it to the world size (2 in the suite)
 ROWS = 2  # rows per micro-batch: DeepSpeed's shards are views across rows
 LENGTHS = (16, 15)  # tokens per row, per local batch: 15 is padded to 16
 LR = 0.1
@@ -597,6 +597,16 @@ def scenario_zero1_scaled_for_averaging() -> dict:
         sp.sums_over_sequence_parallel_ranks = original
 
 
+def scenario_gpu_multi_smoke() -> dict:
+    """The multi-GPU script's CPU smoke (hf_offload/tools/benchmarks/gpu_multi.py), in these
+    processes: every mode at two lengths."""
+    from hf_offload.tools.benchmarks import gpu_multi
+
+    out = os.path.join(os.path.dirname(OUT), "gpu_multi.json")
+    rows = gpu_multi.main(["--cpu-smoke", "--lengths", "32", "64", "--steps", "2", "--out", out])
+    return {"rows": rows, "written": os.path.exists(out) if dist.get_rank() == 0 else None}
+
+
 SCENARIOS = {
     "loop": scenario_loop,
     "loop_float32": lambda: scenario_loop(torch.float32),
@@ -614,6 +624,7 @@ SCENARIOS = {
     "trainer": scenario_trainer,
     "trl": lambda: scenario_trainer(trl=True),
     "refusals": scenario_refusals,
+    "gpu_multi_smoke": scenario_gpu_multi_smoke,
 }
 
 
@@ -622,13 +633,14 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
     args = parser.parse_args()
-    global OUT
+    global OUT, SP
     OUT = os.path.abspath(args.out)
 
     import deepspeed
 
     dist.init_process_group("gloo")
     deepspeed.init_distributed(dist_backend="gloo")
+    SP = dist.get_world_size()
     results: dict[str, dict] = {}
     for name in args.scenarios.split(","):
         started = time.perf_counter()
