@@ -228,11 +228,11 @@ def scenario_loop(dtype=torch.float64, wrapper: str = "none", **recipe) -> dict:
 
 
 def scenario_unaggregated() -> dict:
-    """Companion: the loss each rank's model reports on its shard (the mean over its own tokens),
-    backpropagated as it is, without the group's count or the sum over the group. Its gradient is
-    not the whole sequence's, and the comparison must say so."""
+    """Companion: the loss each rank's tiled loss head reports on its shard (the mean over its own
+    tokens), backpropagated as it is, without the group's count or the sum over the group. Its
+    gradient is not the whole sequence's, and the comparison must say so."""
     ref = reference(build)
-    model = build()
+    model = build(tiling=True)
     ulysses = sp.register_ulysses(model, SP, micro_batch_size=ROWS)
 
     def naive(batch):

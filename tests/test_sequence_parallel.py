@@ -84,8 +84,8 @@ def test_sequence_parallel_matches_one_process_in_float32(runs):
 
 
 def test_a_loss_not_aggregated_over_the_sp_group_is_caught(runs):
-    """Companion: each rank backpropagating the mean over its own shard, as the model reports
-    it, trains on another gradient; the comparison above sees it."""
+    """Companion: each rank backpropagating the mean over its own shard, as the tiled loss head
+    reports it without the group's count, trains on another gradient; the comparison above sees it."""
     for result in runs["unaggregated"]:
         assert "error" not in result, result.get("traceback")
         assert result["grad_rel"] > 0.05 and result["loss_rel"] > 1e-4
