@@ -1,0 +1,504 @@
+"""Sequence parallelism on DeepSpeed's Ulysses (the SP half of ALST), for a loop of one's own.
+
+Ulysses splits each sequence across the ranks of a sequence-parallel (SP) group: every per-token
+part of the model (embeddings, MLPs, norms, projections, the loss head) sees `seq / sp_size`
+tokens, and around the attention kernel an all-to-all trades tokens for heads, so attention sees
+the whole sequence with `heads / sp_size` heads. hf_offload's offloading and tiling work inside
+each rank unchanged. Nothing here is needed with accelerate or the Trainer, which drive Ulysses
+through `ParallelismConfig(sp_backend="deepspeed", sp_size=N)` (docs/sequence_parallel.md);
+`check_sequence_parallel` gives their bad input a clear error before they start.
+
+What this module adds to DeepSpeed's pieces, for a custom loop:
+
+- `register_ulysses(model, sp_size)` checks the model and the process group first (attention
+  heads divisible by `sp_size`, an attention implementation Ulysses can wrap, the world size),
+  then registers Ulysses. DeepSpeed replaces the attention function process-wide and keeps its SP
+  group in a module global; registering again (another model, another batch size) replaces the
+  earlier registration instead of wrapping Ulysses in Ulysses, and `unregister_ulysses()` puts
+  the attention function back.
+- `Ulysses.adapt(loader)` wraps DeepSpeed's `UlyssesSPDataLoaderAdapter`: a batch without
+  `position_ids` gets the ones transformers would use on one process, a sequence not divisible
+  by `sp_size` is padded at its end (labels ignored, so nothing changes), and batches Ulysses
+  would train on differently from one process (left padding, packed documents under sdpa) are
+  refused on every rank at once, so that no rank waits forever in a collective. Each batch comes
+  on the process's device, contiguous.
+- `Ulysses.loss(model, batch)` (and the function `sequence_parallel_loss`) runs the model on the
+  rank's shard with `shift_labels` and `num_items_in_batch` set to the whole group's count of
+  labelled tokens, and sums the ranks' parts: the loss one process would report on the whole
+  sequence, whose backward, averaged over the ranks as DDP, FSDP and DeepSpeed average gradients,
+  is that process's gradient. Tiled or not, the loss head honours both.
+
+DeepSpeed is imported only when one of these is called (`pip install "hf-offload[sp]"`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+IGNORE_INDEX = -100
+# Attention implementations Ulysses wraps (a hub kernel "org/name" too); eager needs the 4-D mask.
+ULYSSES_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
+# With these, packed documents (position_ids restarting inside a row) are kept apart through the
+# position_ids themselves; sdpa and flex_attention under Ulysses attend across them.
+_PACKING_ATTENTION = ("flash_attention_2", "flash_attention_3")
+_HUB_KERNEL = re.compile(r"^[^/:]+/[^/:]+(?:@[^/:]+)?(?::[^/:]+)?$")
+INSTALL_HINT = 'pip install "hf-offload[sp]" (DeepSpeed >= 0.18.2)'
+
+# What register_ulysses changed in this process: {"implementation", "original", "ulysses"}.
+_REGISTERED: dict = {}
+
+
+def _deepspeed():
+    try:
+        import deepspeed
+    except ImportError as error:
+        raise ImportError(
+            f"sequence parallelism runs on DeepSpeed's Ulysses, and deepspeed is not installed ({error}): "
+            f"{INSTALL_HINT}"
+        ) from error
+    try:
+        from deepspeed.runtime.sequence_parallel import ulysses_sp  # noqa: F401
+    except ImportError as error:
+        raise ImportError(
+            f"deepspeed {getattr(deepspeed, '__version__', '?')} has no Ulysses for transformers "
+            f"(deepspeed.runtime.sequence_parallel.ulysses_sp): {INSTALL_HINT}"
+        ) from error
+    return deepspeed
+
+
+def _config_of(model: object):
+    """The transformers config of a model, through PEFT, DDP, FSDP and DeepSpeed engine wrappers
+    (or a config itself)."""
+    seen = 0
+    while seen < 8:
+        if hasattr(model, "get_text_config") and hasattr(model, "model_type"):  # a config
+            return model
+        config = getattr(model, "config", None)
+        if config is not None and hasattr(config, "get_text_config"):
+            return config
+        inner = getattr(model, "module", None)
+        if inner is None:
+            break
+        model, seen = inner, seen + 1
+    raise TypeError(
+        f"sequence parallelism needs a transformers model (or its config), got {type(model).__name__} "
+        "without a transformers config"
+    )
+
+
+def _valid_sizes(heads: int, kv_heads: int) -> list[int]:
+    return [s for s in range(2, heads + 1) if heads % s == 0 and (kv_heads % s == 0 or s % kv_heads == 0)]
+
+
+def check_sequence_parallel(model: object, sp_size: int, world_size: int | None = None) -> str:
+    """Raise a clear error for what Ulysses cannot run: `sp_size` below 2, attention heads (or
+    key/value heads) it does not divide, an attention implementation it cannot wrap (eager), a
+    world size it does not divide. `world_size=None` reads the initialised process group's, if
+    any. Returns the attention implementation Ulysses will wrap.
+
+    Call it before `Trainer(...)` or `accelerate.prepare` with the same model and `sp_size`: they
+    run the same checks later, some as bare assertions."""
+    if isinstance(sp_size, bool) or not isinstance(sp_size, int) or sp_size < 2:
+        raise ValueError(
+            f"sp_size must be an int >= 2 (the ranks one sequence is split across; 1 is no sequence "
+            f"parallelism: train without it), got {sp_size!r}"
+        )
+    config = _config_of(model)
+    text = config.get_text_config()
+    heads = getattr(text, "num_attention_heads", None)
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    if not isinstance(heads, int):
+        raise ValueError(f"{type(config).__name__} has no num_attention_heads: Ulysses splits attention by heads")
+    valid = _valid_sizes(heads, kv_heads)
+    if heads % sp_size:
+        raise ValueError(
+            f"sp_size={sp_size} does not divide num_attention_heads={heads}: Ulysses gives each rank "
+            f"num_attention_heads / sp_size heads; valid sp_size for this model: {valid or 'none'}"
+        )
+    if kv_heads % sp_size and sp_size % kv_heads:
+        raise ValueError(
+            f"sp_size={sp_size} and num_key_value_heads={kv_heads}: one must divide the other (Ulysses splits "
+            f"the key/value heads, or repeats them when there are fewer than ranks); valid sp_size for this "
+            f"model: {valid or 'none'}"
+        )
+    # A config not yet given to a model has none resolved: transformers' default is sdpa.
+    implementation = getattr(config, "_attn_implementation", None) or "sdpa"
+    if implementation not in ULYSSES_ATTENTION and not _HUB_KERNEL.match(str(implementation)):
+        raise ValueError(
+            f"the model's attention implementation is {implementation!r}, which Ulysses cannot wrap (eager "
+            f"builds the whole (seq x seq) mask): load the model with attn_implementation='sdpa' (CPU or GPU) "
+            f"or 'flash_attention_2', or call model.set_attn_implementation('sdpa'); valid: "
+            f"{', '.join(ULYSSES_ATTENTION)} or a hub kernel such as 'kernels-community/flash-attn2'"
+        )
+    if world_size is None and torch.distributed.is_available() and torch.distributed.is_initialized():
+        world_size = torch.distributed.get_world_size()
+    if world_size is not None and world_size % sp_size:
+        raise ValueError(
+            f"sp_size={sp_size} does not divide the world size {world_size}: the ranks form groups of sp_size "
+            f"(launch a multiple of {sp_size} processes, e.g. torchrun --nproc-per-node {sp_size})"
+        )
+    return implementation
+
+
+@dataclass
+class Ulysses:
+    """What `register_ulysses` set up: the SP group of this rank and how to feed and score it."""
+
+    size: int
+    rank: int
+    group: object  # torch.distributed.ProcessGroup
+    mpu: object  # deepspeed's parallel_state_sp: pass as deepspeed.initialize(..., mpu=ulysses.mpu)
+    attn_implementation: str
+    micro_batch_size: int
+    pad_token_id: int = 0
+
+    @property
+    def device(self) -> torch.device:
+        from deepspeed.accelerator import get_accelerator
+
+        return torch.device(get_accelerator().current_device_name())
+
+    def adapt(self, loader: Iterable[dict]) -> Iterable[dict]:
+        """`loader`'s batches, each split across the SP group: over `size` steps every rank takes
+        its shard of rank 0's batch, then of rank 1's, and so on (DeepSpeed's
+        `UlyssesSPDataLoaderAdapter`). Every batch needs `input_ids` and `labels` of shape
+        (micro_batch_size, tokens); the loader must give exactly `micro_batch_size` rows each time."""
+        from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
+
+        batch_size = getattr(loader, "batch_size", None)
+        if batch_size is not None and batch_size != self.micro_batch_size:
+            raise ValueError(
+                f"the loader gives batches of {batch_size} rows and Ulysses was registered for micro_batch_size="
+                f"{self.micro_batch_size}: register_ulysses(model, sp_size, micro_batch_size={batch_size})"
+            )
+        dataset = getattr(loader, "dataset", None)
+        if batch_size and not getattr(loader, "drop_last", True) and _length(dataset) % batch_size:
+            raise ValueError(
+                f"the loader's last batch would have {_length(dataset) % batch_size} rows, not micro_batch_size="
+                f"{batch_size}, and Ulysses's shapes are fixed at registration: DataLoader(..., drop_last=True)"
+            )
+        prepared = _PreparedBatches(loader, self)
+        adapter = UlyssesSPDataLoaderAdapter(
+            prepared, sp_rank=self.rank, sp_group=self.group, sp_world_size=self.size, device=self.device
+        )
+        return _OnDevice(adapter, self.device)
+
+    def tokens(self, batch: dict) -> torch.Tensor:
+        """The SP group's count of labelled tokens in this micro-batch (an int tensor)."""
+        labels = _shift_labels(batch)
+        count = (labels != IGNORE_INDEX).sum().to(self.device)
+        torch.distributed.all_reduce(count, group=self.group)
+        return count
+
+    def loss(self, model: nn.Module, batch: dict, num_items_in_batch: torch.Tensor | int | None = None):
+        """`model`'s loss over the whole sequence of this micro-batch: see `sequence_parallel_loss`."""
+        return sequence_parallel_loss(model, batch, group=self.group, num_items_in_batch=num_items_in_batch)
+
+
+def _length(dataset) -> int:
+    try:
+        return len(dataset)
+    except TypeError:
+        return 0
+
+
+def _shift_labels(batch: dict) -> torch.Tensor:
+    labels = batch.get("shift_labels")
+    if labels is None:
+        raise ValueError(
+            f"the batch has no shift_labels (keys: {sorted(batch)}): under Ulysses each rank's labels are its "
+            "shard of the shifted labels; take batches from Ulysses.adapt(loader) (or DeepSpeed's "
+            "UlyssesSPDataLoaderAdapter), which makes them"
+        )
+    return labels
+
+
+def _sp_group():
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+
+    group = getattr(parallel_state_sp, "_SEQUENCE_PARALLEL_GROUP", None)
+    if group is None:
+        raise RuntimeError(
+            "no sequence-parallel group: call register_ulysses(model, sp_size) first (accelerate and the "
+            "Trainer register Ulysses themselves, when prepared with ParallelismConfig(sp_backend='deepspeed'))"
+        )
+    return group
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """all_reduce(SUM) of the ranks' shares of the loss. Backward gives each rank the gradient of
+    its own share, times the group's size where the gradients are then averaged over the ranks
+    (`scale_for_average`), so that the reduction yields the whole sequence's gradient either way."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group, scale_for_average: bool) -> torch.Tensor:
+        ctx.group, ctx.scale = group, scale_for_average
+        total = tensor.clone()
+        torch.distributed.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        if ctx.scale:  # every rank backpropagates the same total: their sum is size x grad
+            grad = grad.clone()
+            torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad, None, None
+
+
+def sums_over_sequence_parallel_ranks(model: object) -> bool:
+    """Whether `model`'s wrapper sums the gradients of the SP ranks instead of averaging them over
+    all ranks: a DeepSpeed engine with ZeRO stage 0, 1 or 2, or stage 3 with reduce_scatter off
+    (DeepSpeed 0.19.8 divides by world_size / sp_size there, by world_size in ZeRO-3's
+    reduce-scatter). DDP, FSDP and ZeRO-3's default average."""
+    stage = getattr(model, "zero_optimization_stage", None)
+    if not callable(stage):
+        return False
+    if stage() < 3:
+        return True
+    reduce_scatter = getattr(model, "zero_reduce_scatter", None)
+    return callable(reduce_scatter) and not reduce_scatter()
+
+
+def sequence_parallel_loss(
+    model: nn.Module, batch: dict, group=None, num_items_in_batch: torch.Tensor | int | None = None
+) -> torch.Tensor:
+    """The loss one process would report on the whole sequence of this micro-batch, computed on
+    this rank's shard: `model` (a transformers causal LM, or a DDP/FSDP/PEFT/DeepSpeed wrapper of
+    one) runs on the shard with `labels` and `shift_labels` the shard's shifted labels and
+    `num_items_in_batch` the group's count of labelled tokens, so each rank's loss is its share of
+    the whole; the shares are summed over the group (`group`: DeepSpeed's SP group by default).
+
+    Backward gives each rank `sp_size` times its share of the gradient, which the usual average
+    over ranks (DDP, FSDP, ZeRO-3; in a loop without them, all-reduce and divide by the world
+    size) turns into the gradient of the whole sequence; for a DeepSpeed engine that sums over
+    the SP ranks instead (ZeRO 0-2, or ZeRO-3 with reduce_scatter off) each rank's own share.
+    `num_items_in_batch`: the count to divide by when accumulating several micro-batches (the sum
+    of `Ulysses.tokens` over them);
+    by default this micro-batch's."""
+    if "position_ids" not in batch:
+        raise ValueError(
+            f"the batch has no position_ids (keys: {sorted(batch)}): under Ulysses every forward needs them, "
+            "each rank's shard of the whole sequence's positions (Ulysses.adapt adds them when the loader "
+            "gives none)"
+        )
+    labels = _shift_labels(batch)
+    group = group if group is not None else _sp_group()
+    if num_items_in_batch is None:
+        num_items_in_batch = (labels != IGNORE_INDEX).sum()
+        torch.distributed.all_reduce(num_items_in_batch, group=group)
+    inputs = {key: value for key, value in batch.items() if key not in ("labels", "shift_labels")}
+    output = model(**inputs, labels=labels, shift_labels=labels, num_items_in_batch=num_items_in_batch)
+    loss = output.loss if hasattr(output, "loss") else output["loss"]
+    if loss is None:
+        raise ValueError(f"{type(model).__name__} returned no loss for a batch with labels")
+    return _SumOverGroup.apply(loss, group, not sums_over_sequence_parallel_ranks(model))
+
+
+class _PreparedBatches:
+    """The user's loader, batch by batch ready for DeepSpeed's adapter (which gathers every
+    rank's batch and shards it): position_ids where none were given, the length padded to a
+    multiple of the SP size, and batches Ulysses would train on differently refused on every
+    rank together."""
+
+    def __init__(self, loader: Iterable[dict], ulysses: Ulysses) -> None:
+        self.loader = loader
+        self.ulysses = ulysses
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[dict]:
+        for batch in self.loader:
+            error = None
+            try:
+                batch = self.prepare(batch)
+            except ValueError as refused:
+                error = refused
+            self.agree(error)
+            yield batch
+
+    def agree(self, error: ValueError | None) -> None:
+        """Every rank raises if any rank's batch was refused (the others would otherwise wait
+        in the adapter's all_gather for it)."""
+        flags = torch.zeros(self.ulysses.size, dtype=torch.int64, device=self.ulysses.device)
+        flags[self.ulysses.rank] = error is not None
+        torch.distributed.all_reduce(flags, group=self.ulysses.group)
+        if error is not None:
+            raise error
+        if flags.any():
+            bad = [rank for rank, flag in enumerate(flags.tolist()) if flag]
+            raise ValueError(f"sequence parallelism: SP rank(s) {bad} refused their batch (their error says why)")
+
+    def prepare(self, batch: dict) -> dict:
+        if not isinstance(batch, dict) or "input_ids" not in batch or "labels" not in batch:
+            keys = sorted(batch) if isinstance(batch, dict) else type(batch).__name__
+            raise ValueError(f"Ulysses needs batches as dicts with input_ids and labels, got {keys}")
+        batch = dict(batch)
+        ids = batch["input_ids"]
+        rows, length = ids.shape[0], ids.shape[1]
+        if rows != self.ulysses.micro_batch_size:
+            raise ValueError(
+                f"a batch of {rows} rows, and Ulysses was registered for micro_batch_size="
+                f"{self.ulysses.micro_batch_size}: its shapes are fixed at registration"
+            )
+        mask = batch.get("attention_mask")
+        if torch.is_tensor(mask) and mask.dim() == 2 and bool((mask[:, 1:] > mask[:, :-1]).any()):
+            raise ValueError(
+                "a batch whose attention_mask hides tokens before others (left padding): Ulysses drops the mask "
+                "and would attend to them; pad on the right (tokenizer.padding_side = 'right') with labels -100"
+            )
+        positions = batch.get("position_ids")
+        if positions is None:
+            # What transformers uses on one process without position_ids.
+            positions = torch.arange(length, device=ids.device).repeat(rows, 1)
+        elif self.ulysses.attn_implementation not in _PACKING_ATTENTION:
+            restart = positions[:, 1:] != positions[:, :-1] + 1
+            if bool(restart.any()):
+                row, token = (int(i) for i in restart.nonzero()[0])
+                raise ValueError(
+                    f"position_ids restart inside row {row} at token {token + 1} (packed documents): Ulysses with "
+                    f"{self.ulysses.attn_implementation!r} attends across them, unlike one process; use "
+                    "attn_implementation='flash_attention_2', or one document per row"
+                )
+        batch["position_ids"] = positions
+        pad = -length % self.ulysses.size
+        if pad:
+            batch = {key: _pad(key, value, length, pad, self.ulysses.pad_token_id) for key, value in batch.items()}
+        return batch
+
+
+def _pad(key: str, value, length: int, pad: int, pad_token_id: int):
+    """`value` padded at the end of the sequence by `pad` tokens that change nothing: causal
+    attention never lets an earlier token see them, and their labels are ignored."""
+    if not torch.is_tensor(value) or value.dim() < 2 or value.shape[1] != length:
+        return value
+    if key == "position_ids":
+        return torch.cat([value, value[:, -1:] + torch.arange(1, pad + 1, device=value.device)], dim=1)
+    fill = {"labels": IGNORE_INDEX, "input_ids": pad_token_id}.get(key, 0)
+    return nn.functional.pad(value, (0, 0) * (value.dim() - 2) + (0, pad), value=fill)
+
+
+class _OnDevice:
+    """DeepSpeed's adapter, its batches moved to the device and made contiguous (its shards are
+    views of the gathered batch, and transformers' loss `view`s shift_labels)."""
+
+    def __init__(self, adapter, device: torch.device) -> None:
+        self.adapter = adapter
+        self.device = device
+
+    def __len__(self) -> int:
+        return len(self.adapter)
+
+    def __iter__(self) -> Iterator[dict]:
+        for batch in self.adapter:
+            yield {
+                key: value.to(self.device).contiguous() if torch.is_tensor(value) else value
+                for key, value in batch.items()
+            }
+
+
+def register_ulysses(model: nn.Module, sp_size: int, micro_batch_size: int = 1) -> Ulysses:
+    """Check `model` and the process group for Ulysses (`check_sequence_parallel`), then register
+    it with transformers for `model`'s attention implementation: from here on, in this process,
+    every model using that implementation runs it across the SP group. Call it on every rank,
+    after `torch.distributed.init_process_group` (or `deepspeed.init_distributed`), before wrapping
+    the model. Registering again replaces the earlier registration."""
+    deepspeed = _deepspeed()
+    implementation = check_sequence_parallel(model, sp_size)
+    if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be an int >= 1 (rows per batch), got {micro_batch_size!r}")
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        raise RuntimeError(
+            "sequence parallelism needs the process group: launch with torchrun and call "
+            "torch.distributed.init_process_group() (or deepspeed.init_distributed()) before register_ulysses"
+        )
+    from deepspeed import comm as deepspeed_comm
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+    if not deepspeed_comm.is_initialized():  # DeepSpeed's view of the process group torch already has
+        deepspeed.init_distributed(dist_backend=torch.distributed.get_backend())
+    unregister_ulysses()
+
+    if getattr(parallel_state_sp, "_SEQUENCE_PARALLEL_GROUP", None) is not None:
+        raise RuntimeError(
+            "Ulysses is already registered in this process, not by register_ulysses (accelerate's prepare or the "
+            "Trainer with ParallelismConfig(sp_backend='deepspeed') do it themselves): use the group they made, "
+            "e.g. sequence_parallel_loss(model, batch)"
+        )
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    original = ALL_ATTENTION_FUNCTIONS.get(implementation)
+    mpu = UlyssesSPAttentionHF.register_with_transformers(
+        model_name_or_path=_config_holder(model),
+        core_attn_implementation=implementation,
+        sequence_parallel_size=sp_size,
+        micro_batch_size=micro_batch_size,
+        seq_length_is_variable=True,
+    )
+    config = _config_of(model)
+    ulysses = Ulysses(
+        size=mpu.get_sequence_parallel_world_size(),
+        rank=mpu.get_sequence_parallel_rank(),
+        group=mpu.get_sequence_parallel_group(),
+        mpu=mpu,
+        attn_implementation=implementation,
+        micro_batch_size=micro_batch_size,
+        pad_token_id=_pad_token_id(config),
+    )
+    _REGISTERED.update(implementation=implementation, original=original, ulysses=ulysses)
+    return ulysses
+
+
+def _config_holder(model: object):
+    """What DeepSpeed's registration reads `.config` from."""
+
+    @dataclass
+    class Holder:
+        config: object
+
+    return Holder(_config_of(model))
+
+
+def _pad_token_id(config) -> int:
+    pad = getattr(config.get_text_config(), "pad_token_id", None)
+    return pad if isinstance(pad, int) and pad >= 0 else 0
+
+
+def registered_ulysses() -> Ulysses | None:
+    """The registration in force in this process (from `register_ulysses`), if any."""
+    return _REGISTERED.get("ulysses")
+
+
+def unregister_ulysses() -> None:
+    """Put back the attention function `register_ulysses` replaced and forget its SP group (the
+    process group itself stays). No-op if nothing is registered."""
+    if not _REGISTERED:
+        return
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    implementation, original = _REGISTERED["implementation"], _REGISTERED["original"]
+    if original is not None:
+        ALL_ATTENTION_FUNCTIONS[implementation] = original
+    with contextlib.suppress(AttributeError):
+        parallel_state_sp._release_sequence_parallel_groups()
+    _REGISTERED.clear()
+
+
+__all__ = [
+    "ULYSSES_ATTENTION",
+    "Ulysses",
+    "check_sequence_parallel",
+    "register_ulysses",
+    "registered_ulysses",
+    "sequence_parallel_loss",
+    "sums_over_sequence_parallel_ranks",
+    "unregister_ulysses",
+]

@@ -1,0 +1,667 @@
+"""Run by tests/test_sequence_parallel.py under `python -m torch.distributed.run --standalone
+--nproc-per-node 2` with DS_ACCELERATOR=cpu: sequence parallelism on DeepSpeed's Ulysses, two CPU
+processes, gloo, one SP group of 2.
+
+Each scenario trains the tiny GQA Llama (4 heads, 2 key/value heads) for a few micro-batches with
+the sequence split across the two ranks, and compares with one process training the same model
+on the whole sequences in the same order (computed on every rank, with transformers' own
+attention put back): the loss of every micro-batch and every parameter's gradient (the full
+gradient, after the average over ranks that DDP, FSDP and DeepSpeed do). Where offloading is on,
+a twin run without it must be bit-identical. Rank 0 writes what every rank saw to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from conftest import VOCAB, enable_sim, tiny_model  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: E402
+
+import hf_offload  # noqa: E402
+from hf_offload.integrations import sequence_parallel as sp  # noqa: E402
+
+SP = 2  # the SP group is the whole world: main() sets it to the world size (2 in the suite)
+ROWS = 2  # rows per micro-batch: DeepSpeed's shards are views across rows
+LENGTHS = (16, 15)  # tokens per row, per local batch: 15 is padded to 16
+LR = 0.1
+TILE = 4  # tokens per slice: each rank's 8 tokens run as 2 slices
+ORIGINAL_SDPA = ALL_ATTENTION_FUNCTIONS["sdpa"]
+OUT = ""  # the --out file; the Trainer's output directories go beside it
+
+
+def ids_for(step: int, rank: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randint(0, VOCAB, (ROWS, LENGTHS[step]), generator=generator)
+
+
+def local_batches(masked: bool = False) -> list[dict]:
+    """This rank's batches (labels = inputs; `masked`: the first 9 labels ignored, so that rank 0's
+    shard of a 16-token row holds no labelled token at all)."""
+    batches = []
+    for step in range(len(LENGTHS)):
+        ids = ids_for(step, dist.get_rank())
+        labels = ids.clone()
+        if masked:
+            labels[:, :9] = -100
+        batches.append({"input_ids": ids, "labels": labels})
+    return batches
+
+
+def whole_order(masked: bool = False) -> list[dict]:
+    """The micro-batches in the order the SP group trains them: rank 0's first batch, rank 1's,
+    then the second of each."""
+    order = []
+    for step in range(len(LENGTHS)):
+        for rank in range(dist.get_world_size()):
+            ids = ids_for(step, rank)
+            labels = ids.clone()
+            if masked:
+                labels[:, :9] = -100
+            order.append({"input_ids": ids, "labels": labels})
+    return order
+
+
+def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    grads = {}
+    for name, param in model.named_parameters():
+        if param.grad is not None:
+            grad = param.grad
+            grads[name] = (grad.full_tensor() if isinstance(grad, DTensor) else grad).detach().clone()
+    return grads
+
+
+def reference(build: Callable[[], torch.nn.Module], masked: bool = False) -> tuple[list, list]:
+    """One process on the whole sequences, SGD after each micro-batch, transformers' attention."""
+    model = build()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    losses, grads = [], []
+    for batch in whole_order(masked):
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(**batch).loss
+        loss.backward()
+        losses.append(loss.detach().clone())
+        grads.append(full_grads(model))
+        optimizer.step()
+    return losses, grads
+
+
+def averaged(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The gradients averaged over ranks in place, as a loop without DDP must do itself."""
+    for param in model.parameters():
+        if param.grad is not None:
+            dist.all_reduce(param.grad)
+            param.grad /= dist.get_world_size()
+    return full_grads(model)
+
+
+def sp_train(model, wrapped, ulysses, step_fn=None, grads_fn=None, optimizer=None, masked=False, loss_fn=None):
+    """The SP run: this rank's batches through Ulysses.adapt, the group's loss, backward, SGD."""
+    optimizer = optimizer if optimizer is not None else torch.optim.SGD(wrapped.parameters(), lr=LR)
+    loss_fn = loss_fn or (lambda batch: ulysses.loss(wrapped, batch))
+    losses, grads = [], []
+    for batch in ulysses.adapt(local_batches(masked)):
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(batch)
+        (step_fn or (lambda loss: loss.backward()))(loss)
+        losses.append(loss.detach().clone())
+        grads.append((grads_fn or (lambda: averaged(model)))())
+        optimizer.step()
+    return losses, grads
+
+
+def differences(expected: tuple[list, list], actual: tuple[list, list]) -> dict:
+    """Relative differences: of the losses, and per step the largest over parameters of
+    max|g - g_ref| / max|g_ref|."""
+    (ref_losses, ref_grads), (losses, grads) = expected, actual
+    loss_rel = max(abs(float(a) - float(b)) / abs(float(b)) for a, b in zip(losses, ref_losses, strict=True))
+    grad_rel, worst, per_step = 0.0, None, []
+    for step_ref, step in zip(ref_grads, grads, strict=True):
+        per_step.append(0.0)
+        for name, ref in step_ref.items():
+            if name not in step:
+                return {"loss_rel": loss_rel, "grad_rel": float("inf"), "worst": f"{name}: no gradient"}
+            rel = float((step[name].double() - ref.double()).abs().max() / ref.double().abs().max().clamp(min=1e-30))
+            per_step[-1] = max(per_step[-1], rel)
+            if rel > grad_rel:
+                grad_rel, worst = rel, name
+    same_names = all(a.keys() == b.keys() for a, b in zip(ref_grads, grads, strict=True))
+    return {
+        "loss_rel": loss_rel,
+        "grad_rel": grad_rel,
+        "worst": worst,
+        "same_grad_names": same_names,
+        "steps": len(losses),
+        "grad_rel_per_step": per_step,
+        "losses": [float(x) for x in losses],
+        "reference_losses": [float(x) for x in ref_losses],
+    }
+
+
+def identical(a: tuple[list, list], b: tuple[list, list]) -> bool:
+    (losses_a, grads_a), (losses_b, grads_b) = a, b
+    return all(torch.equal(x, y) for x, y in zip(losses_a, losses_b, strict=True)) and all(
+        ga.keys() == gb.keys() and all(torch.equal(ga[k], gb[k]) for k in ga)
+        for ga, gb in zip(grads_a, grads_b, strict=True)
+    )
+
+
+def stats_of(model: torch.nn.Module) -> dict:
+    stats = hf_offload.activation_offloading_stats(model).as_dict()
+    return {key: stats[key] for key in ("mode", "offloaded_tensors", "restored_tensors", "host_bytes_held")}
+
+
+# --- model recipes -----------------------------------------------------------------------------
+
+
+def build(dtype=torch.float64, checkpointing=False, tiling=False, offload=False, peft=False) -> torch.nn.Module:
+    """The tiny Llama, built the same way every time (seed 0). With `peft`, the order of enabling
+    differs from the others on purpose: offloading, then LoRA, then tiling, then checkpointing."""
+    model = tiny_model("llama", seed=0, use_cache=False).to(dtype)
+    if peft:
+        from peft import LoraConfig, get_peft_model
+
+        if offload:
+            enable_sim(model)
+        model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+        if tiling:
+            model.enable_sequence_tiling(tile_tokens=TILE)
+        if checkpointing:
+            model.activation_checkpointing_enable()
+        return model
+    if checkpointing:
+        model.activation_checkpointing_enable()
+    if tiling:
+        hf_offload.enable_sequence_tiling(model, tile_tokens=TILE)
+    if offload:
+        enable_sim(model)
+    return model
+
+
+# --- scenarios ---------------------------------------------------------------------------------
+
+
+def scenario_loop(dtype=torch.float64, wrapper: str = "none", **recipe) -> dict:
+    """A loop of one's own: register_ulysses, adapt, loss; the model plain or wrapped in DDP or
+    FSDP2 (fully_shard on each decoder layer, then the root)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ref = reference(lambda: build(dtype, **recipe))
+
+    def run(offload: bool):
+        model = build(dtype, offload=offload, **recipe)
+        ulysses = sp.register_ulysses(model, SP, micro_batch_size=ROWS)
+        wrapped = model
+        if wrapper == "ddp":
+            wrapped = DDP(model)
+        elif wrapper == "fsdp2":
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in model.model.layers if hasattr(model, "model") else model.base_model.model.model.layers:
+                fully_shard(layer)
+            fully_shard(model)
+        grads_fn = (lambda: averaged(model)) if wrapper == "none" else (lambda: full_grads(model))
+        return sp_train(model, wrapped, ulysses, grads_fn=grads_fn), model
+
+    plain, _ = run(offload=False)
+    offloaded, model = run(offload=True)
+    result = differences(ref, plain)
+    result.update(
+        offloaded_identical=identical(plain, offloaded),
+        stats=stats_of(model),
+        tiled=hf_offload.is_sequence_tiling(model),
+        dtype=str(dtype),
+    )
+    return result
+
+
+def scenario_unaggregated() -> dict:
+    """Companion: the loss each rank's tiled loss head reports on its shard (the mean over its own
+    tokens), backpropagated as it is, without the group's count or the sum over the group. Its
+    gradient is not the whole sequence's, and the comparison must say so."""
+    ref = reference(build)
+    model = build(tiling=True)
+    ulysses = sp.register_ulysses(model, SP, micro_batch_size=ROWS)
+
+    def naive(batch):
+        inputs = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}
+        return model(**inputs, labels=batch["shift_labels"], shift_labels=batch["shift_labels"]).loss
+
+    return differences(ref, sp_train(model, model, ulysses, loss_fn=naive))
+
+
+def scenario_masked_shard() -> dict:
+    """Rank 0's shard of each 16-token row holds no labelled token (the first 9 labels are -100,
+    as a long prompt would be in SFT): its share of the loss is 0, not 0/0, with tiling on."""
+    ref = reference(build, masked=True)
+    model = build(tiling=True)
+    ulysses = sp.register_ulysses(model, SP, micro_batch_size=ROWS)
+    result = differences(ref, sp_train(model, model, ulysses, masked=True))
+    result["finite"] = all(torch.isfinite(torch.tensor(result["losses"])).tolist())
+    return result
+
+
+ZERO3 = {
+    "train_micro_batch_size_per_gpu": ROWS,
+    "gradient_accumulation_steps": 1,
+    "gradient_clipping": 0.0,  # DeepSpeed 0.19.8 clips to norm 1.0 when not told otherwise
+    "zero_optimization": {
+        "stage": 3,
+        "stage3_param_persistence_threshold": 0,
+        "stage3_max_live_parameters": 0,
+        "stage3_max_reuse_distance": 0,
+        "stage3_prefetch_bucket_size": 0,
+    },
+    "zero_allow_untested_optimizer": True,
+}
+
+
+def zero3_config(offload_to_host: bool, stage: int = 3) -> dict:
+    config = json.loads(json.dumps(ZERO3))
+    config["zero_optimization"]["stage"] = stage
+    if offload_to_host:  # ALST: ZeRO-3 with the parameters and the optimizer state on the host
+        config["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": False}
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
+        config["zero_force_ds_cpu_optimizer"] = False  # torch's SGD on the host partitions: no extension build
+    return config
+
+
+def scenario_zero3(offload_to_host: bool = False, stage: int = 3) -> dict:
+    """The DeepSpeed engine (float32: DeepSpeed's partitions and reductions), ZeRO-3 by default
+    with the model built under zero.Init, Ulysses's mpu given to deepspeed.initialize; with
+    `offload_to_host`, ALST's full fine-tuning recipe: parameters and optimizer state offloaded
+    to the host, plus our checkpoint offload (checkpointing + offloading) and tiling. `stage` < 3:
+    ZeRO-1/2, which sum the SP ranks' gradients where ZeRO-3 averages them over all ranks."""
+    import deepspeed
+    from deepspeed.utils import safe_get_full_grad
+
+    recipe = {"checkpointing": offload_to_host, "tiling": True}
+    ref = reference(lambda: build(torch.float32, **recipe))
+    config = zero3_config(offload_to_host, stage)
+
+    weights = build(torch.float32).state_dict()
+
+    def run(offload: bool):
+        with deepspeed.zero.Init(config_dict_or_path=config, enabled=stage == 3):
+            model = build(torch.float32, offload=offload, **recipe)
+        # zero.Init draws each partition's initial values itself: give it the reference's weights.
+        for name, param in model.named_parameters():
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=0), torch.no_grad():
+                param.copy_(weights[name])
+        ulysses = sp.register_ulysses(model, SP, micro_batch_size=ROWS)
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+        engine, optimizer, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, mpu=ulysses.mpu)
+        losses, grads = [], []
+        for batch in ulysses.adapt(local_batches()):
+            loss = ulysses.loss(engine, batch)
+            engine.backward(loss)
+            grads.append({n: safe_get_full_grad(p).clone() for n, p in model.named_parameters()})
+            engine.step()
+            losses.append(loss.detach().clone())
+        partition_devices = sorted({str(p.ds_tensor.device) for p in model.parameters() if hasattr(p, "ds_tensor")})
+        return (losses, grads), model, partition_devices, type(engine.optimizer).__name__
+
+    plain, *_ = run(offload=False)
+    offloaded, model, devices, optimizer_name = run(offload=True)
+    result = differences(ref, plain)
+    result.update(
+        offloaded_identical=identical(plain, offloaded),
+        stats=stats_of(model),
+        tiled=hf_offload.is_sequence_tiling(model),
+        partition_devices=devices,
+        zero_optimizer=optimizer_name,
+        offload_param=bool(config["zero_optimization"].get("offload_param")),
+    )
+    return result
+
+
+def whole(batch: dict) -> dict:
+    """The whole micro-batch the SP group trains on, from this rank's shard: input_ids and
+    shift_labels gathered over the group (for accelerate and the Trainer, whose loaders decide
+    the order)."""
+    result = {}
+    for key in ("input_ids", "shift_labels"):
+        shards = [torch.empty_like(batch[key]) for _ in range(dist.get_world_size())]
+        dist.all_gather(shards, batch[key].contiguous())
+        result[key] = torch.cat(shards, dim=1)
+    return result
+
+
+def reference_on(batches: list[dict], build_model: Callable[[], torch.nn.Module], lr: float = LR):
+    """One process on the recorded whole micro-batches, SGD after each: (losses, grads, weights)."""
+    model = build_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    losses, grads = [], []
+    for batch in batches:
+        optimizer.zero_grad(set_to_none=True)
+        labels = batch["shift_labels"]
+        loss = model(input_ids=batch["input_ids"], labels=labels, shift_labels=labels).loss
+        loss.backward()
+        losses.append(loss.detach().clone())
+        grads.append(full_grads(model))
+        optimizer.step()
+    return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+class Rows(torch.utils.data.Dataset):
+    """Single rows of 16 tokens with their labels and position_ids (what the Trainer's and
+    accelerate's Ulysses path requires of a dataset), the same on every rank."""
+
+    def __init__(self, count: int = 8) -> None:
+        self.ids = [torch.randint(VOCAB, (16,), generator=torch.Generator().manual_seed(50 + i)) for i in range(count)]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index: int) -> dict:
+        return {"input_ids": self.ids[index], "labels": self.ids[index], "position_ids": torch.arange(16)}
+
+
+def token_ids_tokenizer():
+    """A tokenizer whose words are the token ids themselves ("0" .. "96"), pad "0": what TRL asks
+    for, with the dataset already tokenized."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.WordLevel(vocab={str(i): i for i in range(VOCAB)}, unk_token="0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="0", unk_token="0", eos_token="1")
+
+
+def gathered_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    import deepspeed
+
+    weights = {}
+    for name, param in model.named_parameters():
+        with deepspeed.zero.GatheredParameters([param]):
+            weights[name] = param.detach().clone()
+    return weights
+
+
+def weights_close(expected: dict, actual: dict) -> tuple[float, str]:
+    """The largest over parameters of max|w - w_ref| / max|w_ref|, and that parameter's name."""
+    return max((float((actual[n] - expected[n]).abs().max() / expected[n].abs().max()), n) for n in expected)
+
+
+def scenario_accelerate() -> dict:
+    """accelerate: Accelerator(parallelism_config=ParallelismConfig(sp_backend="deepspeed",
+    sp_size=2)) with a DeepSpeed ZeRO-3 plugin; prepare registers Ulysses and adapts the loader;
+    the loop scores each batch with sequence_parallel_loss (DeepSpeed's SP group, found by itself)."""
+    from accelerate import Accelerator
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.state import AcceleratorState, GradientState
+    from accelerate.utils import DeepSpeedPlugin, DeepSpeedSequenceParallelConfig, DummyOptim
+    from deepspeed.utils import safe_get_full_grad
+
+    recipe = {"checkpointing": True, "tiling": True}
+
+    def run(offload: bool):
+        restore_attention()
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        config = {**zero3_config(False), "optimizer": {"type": "SGD", "params": {"lr": LR}}}
+        model = build(torch.float32, offload=offload, **recipe)  # as the reference: deepspeed.initialize partitions it
+        accelerator = Accelerator(
+            deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config),
+            parallelism_config=ParallelismConfig(
+                sp_backend="deepspeed",
+                sp_size=SP,
+                sp_handler=DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa"),
+            ),
+        )
+        loader = torch.utils.data.DataLoader(Rows(4), batch_size=ROWS, drop_last=True)
+        engine, optimizer, loader = accelerator.prepare(model, DummyOptim(model.parameters()), loader)
+        losses, grads, batches = [], [], []
+        for batch in loader:
+            batch = {k: v.to(accelerator.device).contiguous() for k, v in batch.items()}
+            batches.append(whole(batch))
+            loss = sp.sequence_parallel_loss(engine, batch)
+            accelerator.backward(loss)
+            grads.append({n: safe_get_full_grad(p).clone() for n, p in model.named_parameters()})
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.detach().clone())
+        name = type(engine).__name__
+        accelerator.free_memory()
+        engine.destroy()
+        return (losses, grads), model, name, batches
+
+    plain, _, _, batches = run(offload=False)
+    offloaded, model, engine_name, _ = run(offload=True)
+    restore_attention()
+    ref_losses, ref_grads, _ = reference_on(batches, lambda: build(torch.float32, **recipe))
+    result = differences((ref_losses, ref_grads), plain)
+    result.update(offloaded_identical=identical(plain, offloaded), stats=stats_of(model), engine=engine_name)
+    return result
+
+
+def scenario_trainer(trl: bool = False) -> dict:
+    """The Trainer (or TRL's SFTTrainer) with TrainingArguments(deepspeed=ZeRO-3,
+    parallelism_config=ParallelismConfig(sp_backend="deepspeed", sp_size=2)): the Trainer
+    registers Ulysses, adapts its loader and sums the ranks' losses itself. Our checkpoint offload
+    and tiling on the model; compared with one process on the same whole micro-batches (recorded)
+    and with the same run without offloading (bit-identical)."""
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.state import AcceleratorState, GradientState
+    from accelerate.utils import DeepSpeedSequenceParallelConfig
+    from conftest import quiet_training_args
+
+    recipe = {"checkpointing": True, "tiling": True}
+    steps = 4
+
+    def run(offload: bool, out: str):
+        restore_attention()
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        config = {**zero3_config(False), "train_micro_batch_size_per_gpu": "auto", "gradient_clipping": "auto",
+                  "optimizer": {"type": "SGD", "params": {"lr": "auto"}}}  # fmt: skip
+        options = quiet_training_args(
+            out,
+            max_steps=steps,
+            per_device_train_batch_size=ROWS,
+            learning_rate=LR,
+            lr_scheduler_type="constant",
+            max_grad_norm=0.0,
+            weight_decay=0.0,
+            deepspeed=config,
+            parallelism_config=ParallelismConfig(
+                sp_backend="deepspeed",
+                sp_size=SP,
+                sp_handler=DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa"),
+            ),
+        )
+        model = build(torch.float32, offload=offload, **recipe)
+        batches = []
+
+        def recording(cls):
+            class Recording(cls):
+                def compute_loss(self, model, inputs, *args, **kwargs):
+                    if model.training:
+                        batches.append(whole(inputs))
+                    return super().compute_loss(model, inputs, *args, **kwargs)
+
+            return Recording
+
+        if trl:
+            from datasets import Dataset
+            from trl import SFTConfig, SFTTrainer
+
+            args = SFTConfig(**options, max_length=None, packing=False, bf16=False)  # TRL defaults to bf16
+            dataset = Dataset.from_list([{"input_ids": ids.tolist()} for ids in Rows(8).ids])
+            trainer = recording(SFTTrainer)(
+                model=model, args=args, train_dataset=dataset, processing_class=token_ids_tokenizer()
+            )
+        else:
+            from transformers import Trainer, TrainingArguments
+
+            trainer = recording(Trainer)(model=model, args=TrainingArguments(**options), train_dataset=Rows(8))
+        trainer.train()
+        losses = [torch.tensor(h["loss"]) for h in trainer.state.log_history if "loss" in h]
+        return losses, gathered_weights(model), model, batches
+
+    out = os.path.dirname(OUT)
+    plain_losses, plain_weights, _, batches = run(False, os.path.join(out, "plain"))
+    losses, weights, model, _ = run(True, os.path.join(out, "offloaded"))
+    restore_attention()
+    ref_losses, _, ref_weights = reference_on(batches, lambda: build(torch.float32, **recipe))
+    pairs = zip(plain_losses, ref_losses, strict=True)
+    return {
+        "steps": len(plain_losses),
+        "micro_batches": len(batches),
+        "losses": [float(x) for x in plain_losses],
+        "reference_losses": [float(x) for x in ref_losses],
+        "loss_rel": max(abs(float(a) - float(b)) / abs(float(b)) for a, b in pairs),
+        "weights_rel": weights_close(ref_weights, plain_weights)[0],
+        "worst": weights_close(ref_weights, plain_weights)[1],
+        "offloaded_identical": [float(x) for x in losses] == [float(x) for x in plain_losses]
+        and all(torch.equal(weights[n], plain_weights[n]) for n in weights),
+        "stats": stats_of(model),
+    }
+
+
+def restore_attention() -> None:
+    """Put transformers' sdpa back and forget any SP group, whoever registered Ulysses, and
+    whatever ZeRO-3 configuration accelerate or the Trainer left for transformers (which would
+    build the next model under zero.Init)."""
+    from deepspeed.runtime.sequence_parallel import parallel_state_sp
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    sp.unregister_ulysses()
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = ORIGINAL_SDPA
+    parallel_state_sp._release_sequence_parallel_groups()
+
+
+def scenario_refusals() -> dict:
+    """Batches Ulysses would train on differently are refused on every rank together; check errors."""
+    model = build()
+    ulysses = sp.register_ulysses(model, SP, micro_batch_size=ROWS)
+    errors = {}
+    ids = ids_for(0, 0)
+
+    def first(batches):
+        try:
+            next(iter(ulysses.adapt(batches)))
+        except Exception as error:
+            return f"{type(error).__name__}: {error}"
+        return None
+
+    packed = torch.cat([torch.arange(6), torch.arange(10)]).repeat(ROWS, 1)
+    # Only rank 1's batch is packed: rank 0 must not wait for it forever.
+    positions = packed if dist.get_rank() == 1 else torch.arange(16).repeat(ROWS, 1)
+    errors["packed_on_one_rank"] = first([{"input_ids": ids, "labels": ids, "position_ids": positions}])
+    left = torch.ones_like(ids)
+    left[:, :3] = 0
+    errors["left_padding"] = first([{"input_ids": ids, "labels": ids, "attention_mask": left}])
+    errors["rows"] = first([{"input_ids": ids[:1], "labels": ids[:1]}])
+    errors["batch_size"] = _error(lambda: ulysses.adapt(torch.utils.data.DataLoader(list(ids), batch_size=3)))
+    errors["last_batch"] = _error(lambda: ulysses.adapt(torch.utils.data.DataLoader(list(range(5)), batch_size=2)))
+    errors["world_size"] = _error(lambda: sp.check_sequence_parallel(model, 4))
+    batch = next(iter(ulysses.adapt([{"input_ids": ids, "labels": ids}])))
+    errors["no_position_ids"] = _error(
+        lambda: ulysses.loss(model, {k: v for k, v in batch.items() if k != "position_ids"})
+    )
+    errors["no_shift_labels"] = _error(lambda: ulysses.loss(model, {"input_ids": ids, "position_ids": ids}))
+    return {"errors": errors}
+
+
+def _error(call) -> str | None:
+    try:
+        call()
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def scenario_zero1_scaled_for_averaging() -> dict:
+    """Companion of zero1: the loss's backward scaled as for an engine that averages over all
+    ranks (ZeRO-3), while ZeRO-1 sums over the SP ranks: every gradient comes out sp_size times
+    too large, and the comparison must say so."""
+    original = sp.sums_over_sequence_parallel_ranks
+    sp.sums_over_sequence_parallel_ranks = lambda model: False
+    try:
+        return scenario_zero3(stage=1)
+    finally:
+        sp.sums_over_sequence_parallel_ranks = original
+
+
+def scenario_gpu_multi_smoke() -> dict:
+    """The multi-GPU script's CPU smoke (hf_offload/tools/benchmarks/gpu_multi.py), in these
+    processes: every mode at two lengths."""
+    from hf_offload.tools.benchmarks import gpu_multi
+
+    out = os.path.join(os.path.dirname(OUT), "gpu_multi.json")
+    rows = gpu_multi.main(["--cpu-smoke", "--lengths", "32", "64", "--steps", "2", "--out", out])
+    return {"rows": rows, "written": os.path.exists(out) if dist.get_rank() == 0 else None}
+
+
+SCENARIOS = {
+    "loop": scenario_loop,
+    "loop_float32": lambda: scenario_loop(torch.float32),
+    "loop_checkpointing_tiling": lambda: scenario_loop(checkpointing=True, tiling=True),
+    "peft": lambda: scenario_loop(peft=True, checkpointing=True, tiling=True),
+    "ddp": lambda: scenario_loop(wrapper="ddp", tiling=True),
+    "fsdp2": lambda: scenario_loop(wrapper="fsdp2", checkpointing=True, tiling=True),
+    "unaggregated": scenario_unaggregated,
+    "masked_shard": scenario_masked_shard,
+    "zero3": scenario_zero3,
+    "zero3_offload_to_host": lambda: scenario_zero3(offload_to_host=True),
+    "zero1": lambda: scenario_zero3(stage=1),
+    "zero1_scaled_for_averaging": scenario_zero1_scaled_for_averaging,
+    "accelerate": scenario_accelerate,
+    "trainer": scenario_trainer,
+    "trl": lambda: scenario_trainer(trl=True),
+    "refusals": scenario_refusals,
+    "gpu_multi_smoke": scenario_gpu_multi_smoke,
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS))
+    args = parser.parse_args()
+    global OUT, SP
+    OUT = os.path.abspath(args.out)
+
+    import deepspeed
+
+    dist.init_process_group("gloo")
+    deepspeed.init_distributed(dist_backend="gloo")
+    SP = dist.get_world_size()
+    results: dict[str, dict] = {}
+    for name in args.scenarios.split(","):
+        started = time.perf_counter()
+        try:
+            results[name] = SCENARIOS[name]()
+        except Exception as error:  # recorded for the test to assert on; the other scenarios still run
+            results[name] = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()}
+        with contextlib.suppress(Exception):
+            restore_attention()
+        dist.barrier()
+        results[name]["seconds"] = round(time.perf_counter() - started, 2)
+
+    gathered: list[dict] = [None] * dist.get_world_size()  # type: ignore[list-item]
+    dist.all_gather_object(gathered, {"rank": dist.get_rank(), "results": results})
+    if dist.get_rank() == 0:
+        with open(args.out, "w") as handle:
+            json.dump({"world_size": dist.get_world_size(), "ranks": gathered}, handle, indent=1)
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,247 @@
+"""Sequence parallelism on DeepSpeed's Ulysses with hf_offload's offloading and tiling.
+
+One launch of tests/sequence_parallel_worker.py (`torchrun --nproc-per-node 2`, gloo, CPU) runs
+every scenario and writes what each rank saw; the tests below assert on it. Each scenario
+splits the sequences of a tiny GQA Llama across the two ranks (SP=2) and compares with one
+process training on the whole sequences: the loss of every micro-batch and every gradient, in
+float64 where nothing forces float32 (transformers computes the loss in float32, DeepSpeed
+reduces in float32). The bad-input checks that need no process group run here, in-process.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from conftest import tiny_model
+from test_distributed import NPROC, TESTS, torchrun
+
+from hf_offload.integrations import sequence_parallel as sp
+
+# float64 runs: the gradients agree to rounding; the loss, which transformers computes in float32,
+# to float32's. float32 runs (DeepSpeed): both to float32's.
+FLOAT64_GRAD = 1e-12
+FLOAT32_GRAD = 1e-5
+LOSS = 1e-6
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, list[dict]]:
+    pytest.importorskip("deepspeed")
+    out = tmp_path_factory.mktemp("sequence_parallel") / "results.json"
+    result = torchrun(TESTS / "sequence_parallel_worker.py", "--out", str(out), env={"DS_ACCELERATOR": "cpu"})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    data = json.loads(out.read_text())
+    assert data["world_size"] == NPROC
+    by_scenario: dict[str, list[dict]] = {}
+    for rank in sorted(data["ranks"], key=lambda r: r["rank"]):
+        for name, scenario in rank["results"].items():
+            by_scenario.setdefault(name, []).append(scenario)
+    return by_scenario
+
+
+def assert_matches_one_process(ranks: list[dict], grad_tolerance: float) -> None:
+    assert len(ranks) == NPROC
+    for rank, result in enumerate(ranks):
+        assert "error" not in result, result.get("traceback", result.get("error"))
+        assert result["steps"] == 4, result  # 2 batches per rank, each split across both ranks
+        assert result["same_grad_names"]
+        assert result["loss_rel"] < LOSS, f"rank {rank}: losses {result['losses']} != {result['reference_losses']}"
+        assert result["grad_rel"] < grad_tolerance, f"rank {rank}: {result['worst']} off by {result['grad_rel']:.2e}"
+    # Both ranks report the whole sequence's loss.
+    assert ranks[0]["losses"] == ranks[1]["losses"]
+
+
+def assert_offloading_bit_identical(ranks: list[dict]) -> None:
+    for result in ranks:
+        assert result["offloaded_identical"], "offloading changed the SP run"
+        stats = result["stats"]
+        assert stats["mode"] == "cpu-simulation" and stats["offloaded_tensors"] > 0
+        assert stats["restored_tensors"] >= stats["offloaded_tensors"] and stats["host_bytes_held"] == 0
+
+
+@pytest.mark.parametrize(
+    "scenario",
+    ["loop", "loop_checkpointing_tiling", "peft", "ddp", "fsdp2"],
+)
+def test_sequence_parallel_matches_one_process_in_float64(runs, scenario):
+    """A loop of one's own on register_ulysses / Ulysses.adapt / Ulysses.loss, float64: plain;
+    with checkpointing and tiling; LoRA with offloading, LoRA, tiling and checkpointing enabled
+    in that order; under DDP (tiling); under FSDP2 (checkpointing and tiling). The second local
+    batch is 15 tokens long and is padded to 16. Loss and every gradient match one process on
+    the whole sequences, and offloading on top is bit-identical."""
+    ranks = runs[scenario]
+    assert_matches_one_process(ranks, FLOAT64_GRAD)
+    assert_offloading_bit_identical(ranks)
+    for result in ranks:
+        assert result["dtype"] == "torch.float64"
+        assert result["tiled"] == (scenario not in ("loop",))
+
+
+def test_sequence_parallel_matches_one_process_in_float32(runs):
+    assert_matches_one_process(runs["loop_float32"], FLOAT32_GRAD)
+
+
+def test_a_loss_not_aggregated_over_the_sp_group_is_caught(runs):
+    """Companion: each rank backpropagating the mean over its own shard, as the tiled loss head
+    reports it without the group's count, trains on another gradient; the comparison above sees it."""
+    for result in runs["unaggregated"]:
+        assert "error" not in result, result.get("traceback")
+        assert result["grad_rel"] > 0.05 and result["loss_rel"] > 1e-4
+
+
+def test_a_shard_without_labelled_tokens_contributes_zero(runs):
+    """Rank 0's shard holds no labelled token (an SFT prompt longer than a shard): the group's
+    count divides, so its share is 0, not 0/0, with the tiled loss."""
+    assert_matches_one_process(runs["masked_shard"], FLOAT64_GRAD)
+    assert all(result["finite"] for result in runs["masked_shard"])
+
+
+@pytest.mark.parametrize("scenario", ["zero3", "zero3_offload_to_host", "zero1"])
+def test_sequence_parallel_under_the_deepspeed_engine(runs, scenario):
+    """The DeepSpeed engine with Ulysses's mpu: ZeRO-3 with tiling; ALST's full fine-tuning
+    recipe (ZeRO-3 with parameters and optimizer state offloaded to the host, our checkpoint
+    offload and tiling); ZeRO-1. Close to one process, offloading on top bit-identical."""
+    ranks = runs[scenario]
+    assert_matches_one_process(ranks, FLOAT32_GRAD)
+    assert_offloading_bit_identical(ranks)
+    for result in ranks:
+        assert result["tiled"]
+        if scenario.startswith("zero3"):
+            assert result["zero_optimizer"] == "DeepSpeedZeroOptimizer_Stage3"
+            assert result["offload_param"] == (scenario == "zero3_offload_to_host")
+
+
+def test_zero1_gradients_would_be_sp_size_times_too_large_without_the_engine_check(runs):
+    """Companion of zero1: ZeRO-1/2 sum the SP ranks' gradients where ZeRO-3 averages them over
+    all ranks. Scaled as for ZeRO-3, every gradient is twice the true one (SP=2)."""
+    for result in runs["zero1_scaled_for_averaging"]:
+        assert "error" not in result, result.get("traceback")
+        assert result["grad_rel_per_step"][0] == pytest.approx(1.0, rel=1e-4)
+
+
+def test_sequence_parallel_through_accelerate(runs):
+    """Accelerator(parallelism_config=ParallelismConfig(sp_backend="deepspeed", sp_size=2)) with a
+    ZeRO-3 plugin: prepare registers Ulysses and adapts the loader, sequence_parallel_loss finds
+    DeepSpeed's SP group; checkpointing and tiling, offloading on top bit-identical."""
+    ranks = runs["accelerate"]
+    assert_matches_one_process(ranks, FLOAT32_GRAD)
+    assert_offloading_bit_identical(ranks)
+    assert all(result["engine"] == "DeepSpeedEngine" for result in ranks)
+
+
+@pytest.mark.parametrize("scenario", ["trainer", "trl"])
+def test_sequence_parallel_through_the_trainer_and_trl(runs, scenario):
+    """TrainingArguments / SFTConfig(deepspeed=ZeRO-3, parallelism_config=...): the Trainer (or TRL's
+    SFTTrainer) registers Ulysses, adapts its loader and sums the ranks' losses. With our
+    checkpoint offload and tiling (TRL: its fused LM head computes the loss, the layers' parts
+    are tiled): the logged losses and the final weights match one process on the same whole
+    micro-batches, and offloading on top is bit-identical."""
+    for result in runs[scenario]:
+        assert "error" not in result, result.get("traceback")
+        assert result["steps"] == result["micro_batches"] == 4
+        assert result["loss_rel"] < LOSS, (result["losses"], result["reference_losses"])
+        assert result["weights_rel"] < FLOAT32_GRAD, result["worst"]
+        assert_offloading_bit_identical([result])
+
+
+def test_batches_ulysses_would_train_on_differently_are_refused_on_every_rank(runs):
+    """Packed documents under sdpa (refused on both ranks although only rank 1's batch is packed:
+    neither waits for the other in a collective), left padding, a batch of the wrong size, a
+    loader whose last batch would be short, a world size sp_size does not divide, a batch
+    without position_ids or shift_labels: each a ValueError saying what to do."""
+    for rank, result in enumerate(runs["refusals"]):
+        errors = result["errors"]
+        expected = {
+            "packed_on_one_rank": "position_ids restart" if rank == 1 else "SP rank(s) [1] refused",
+            "left_padding": "pad on the right",
+            "rows": "micro_batch_size=2",
+            "batch_size": "register_ulysses(model, sp_size, micro_batch_size=3)",
+            "last_batch": "drop_last=True",
+            "world_size": "sp_size=4 does not divide the world size 2",
+            "no_position_ids": "no position_ids",
+            "no_shift_labels": "no shift_labels",
+        }
+        for key, text in expected.items():
+            assert errors[key] is not None and errors[key].startswith("ValueError") and text in errors[key], (
+                key,
+                errors[key],
+            )
+
+
+def test_the_multi_gpu_script_runs_on_the_cpu(runs):
+    """hf_offload/tools/benchmarks/gpu_multi.py --cpu-smoke (ZeRO-3 with parameters and optimizer
+    on the host, Ulysses over both ranks): every mode and length measured, the same losses with
+    our offloading as without, tiling close, the JSON written; the simulator's column says it
+    does not model SP yet."""
+    for rank, result in enumerate(runs["gpu_multi_smoke"]):
+        assert "error" not in result, result.get("traceback")
+        rows = {(row["mode"], row["length"]): row for row in result["rows"]}
+        modes = ("sp", "sp+hf_offload", "sp+hf_offload+tiled")
+        assert set(rows) == {(mode, length) for mode in modes for length in (32, 64)}
+        for length in (32, 64):
+            plain, offloaded, tiled = (rows[(mode, length)] for mode in modes)
+            assert all(row["status"] == "ok" and row["step_seconds"] > 0 for row in (plain, offloaded, tiled))
+            assert offloaded["losses"] == plain["losses"] and offloaded["offloaded_bytes"] > 0
+            assert tiled["losses"] == pytest.approx(plain["losses"], rel=1e-5)
+            assert plain["peak_bytes"] is None and "not modelled yet" in plain["simulated"]  # CPU: no peak
+        assert result["written"] is (True if rank == 0 else None)
+
+
+# --- bad input, in this process ---------------------------------------------------------------
+
+
+def config(**overrides):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**{"hidden_size": 96, "intermediate_size": 64, "num_hidden_layers": 1, **overrides})
+
+
+def test_attention_heads_not_divisible_by_the_sp_size():
+    six_heads = config(num_attention_heads=6, num_key_value_heads=2)
+    with pytest.raises(ValueError, match=r"sp_size=4 does not divide num_attention_heads=6.*valid sp_size.*\[2, 6\]"):
+        sp.check_sequence_parallel(six_heads, 4)
+
+
+def test_key_value_heads_and_sp_size_must_divide_one_another():
+    with pytest.raises(ValueError, match=r"sp_size=6 and num_key_value_heads=4.*\[2, 4, 12\]"):
+        sp.check_sequence_parallel(config(num_attention_heads=12, num_key_value_heads=4), 6)
+    # Fewer key/value heads than ranks: Ulysses repeats them.
+    assert sp.check_sequence_parallel(tiny_model("llama", num_key_value_heads=2), 4) == "sdpa"
+
+
+def test_eager_attention_is_refused():
+    model = tiny_model("llama", attn_implementation="eager")
+    with pytest.raises(ValueError, match=r"'eager', which Ulysses cannot wrap.*attn_implementation='sdpa'"):
+        sp.check_sequence_parallel(model, 2)
+
+
+@pytest.mark.parametrize("bad", [1, 0, 2.0, True, "2"])
+def test_sp_size_must_be_an_int_of_at_least_two(bad):
+    with pytest.raises(ValueError, match=r"sp_size must be an int >= 2"):
+        sp.check_sequence_parallel(tiny_model("llama"), bad)
+
+
+def test_world_size_must_be_a_multiple_of_the_sp_size():
+    with pytest.raises(ValueError, match=r"sp_size=2 does not divide the world size 3"):
+        sp.check_sequence_parallel(tiny_model("llama"), 2, world_size=3)
+
+
+def test_without_deepspeed_the_error_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # `import deepspeed` raises ImportError
+    with pytest.raises(ImportError, match=r'pip install "hf-offload\[sp\]"'):
+        sp.register_ulysses(tiny_model("llama"), 2)
+
+
+def test_without_a_process_group_the_error_says_how_to_launch():
+    pytest.importorskip("deepspeed")
+    with pytest.raises(RuntimeError, match=r"torchrun.*init_process_group"):
+        sp.register_ulysses(tiny_model("llama"), 2)
+
+
+def test_a_model_without_a_transformers_config_is_refused():
+    import torch
+
+    with pytest.raises(TypeError, match=r"transformers model"):
+        sp.check_sequence_parallel(torch.nn.Linear(2, 2), 2)
