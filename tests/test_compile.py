@@ -182,7 +182,9 @@ def test_fullgraph_error_names_hf_offload():
 
 def test_dynamo_never_compiles_engine_code():
     """Every FX graph dynamo builds while the compiled layers train comes from the model, none
-    from hf_offload: the engine's copies, streams and events must run as written."""
+    from hf_offload's engine or its scope around the layers: the engine's copies, streams and
+    events must run as written. (Tiling's pass-through around transformers' attention functions,
+    installed while any tiled model is alive, may be traced: it only calls the function.)"""
     from torch._dynamo.backends.registry import lookup_backend
 
     sources: set[str] = set()
@@ -197,7 +199,8 @@ def test_dynamo_never_compiles_engine_code():
     for _ in range(2):
         train_step(offloaded, batch())
     assert sources, "no graph was recorded"
-    assert not [source for source in sources if source.startswith(HF_OFFLOAD)]
+    engine = (os.path.join(HF_OFFLOAD, "engine"), os.path.join(HF_OFFLOAD, "api.py"))
+    assert not [source for source in sources if source.startswith(engine)], sources
 
 
 def test_running_under_compile_is_reported_once(caplog):
