@@ -600,19 +600,28 @@ def test_attention_runs_a_group_of_key_value_heads_at_a_time(monkeypatch):
 
 
 def test_the_final_norm_runs_slice_by_slice_with_the_loss_head(monkeypatch):
-    """The final norm is per token: in a tiled-loss step it runs on one slice at a time with
-    lm_head, its output never made for the whole sequence, and its weight's gradient close to
-    the untiled one (the float64 tests above hold every gradient)."""
+    """The final norm is per token: lm_head's slices are computed from the norm's input, the norm
+    running slice by slice with the head in forward and in backward; the model's own call of the
+    norm on the whole sequence is used no further (no gradient reaches its output), and the
+    norm's weight gets its gradient (the float64 tests above hold every gradient)."""
     plain = build("llama")
     tiled = twin(plain)
     hf_offload.enable_sequence_tiling(tiled, tile_tokens=TILE, mlp=False, norms=False, projections=False)
     norm = tiled.model.norm
-    widths = []
+    widths, whole_gradients = [], []
     original = type(norm).forward
-    monkeypatch.setattr(
-        type(norm), "forward", lambda self, x: (self is norm and widths.append(x.shape[1])) or original(self, x)
-    )
+
+    def spying(self, x):
+        output = original(self, x)
+        if self is norm:
+            widths.append(x.shape[1])
+            if x.shape[1] == SEQ:
+                output.register_hook(lambda grad: whole_gradients.append(grad))
+        return output
+
+    monkeypatch.setattr(type(norm), "forward", spying)
     expected, actual = step(plain), step(tiled)
     assert_close(expected, actual, **FLOAT64)
-    assert widths and max(widths) <= TILE
-    assert widths.count(TILE) == 2 * SEQ // TILE  # each slice in forward and again in backward
+    assert "model.norm.weight" in actual[1]
+    assert widths == [SEQ] + [TILE] * (2 * SEQ // TILE)  # the model's call, then each slice in forward and backward
+    assert not whole_gradients

@@ -136,11 +136,15 @@ class DeferredLogits(torch.Tensor):
             op = (func, _recorded(args, deferred), kwargs)
             like = torch.empty((1,) * probe.dim(), dtype=probe.dtype, device=deferred.device).expand(probe.shape)
             return DeferredLogits(like, deferred.source, deferred.ops + (op,))
-        # Not a per-token transform: the logits become real, and the step goes on as without tiling.
+        # Not a per-token transform: the logits (every deferred operand) become real, and the step
+        # goes on as without tiling.
         deferred.source.note_materialised(func)
-        real = deferred.materialise()
+
+        def real(value):
+            return value.materialise() if isinstance(value, DeferredLogits) else value
+
         with torch._C.DisableTorchFunctionSubclass():
-            return func(*[real if a is deferred else a for a in args], **kwargs)
+            return func(*[real(a) for a in args], **{name: real(value) for name, value in kwargs.items()})
 
     def materialise(self) -> torch.Tensor:
         """The real logits (kept: the model's output returns them, as without tiling)."""
@@ -194,10 +198,10 @@ class _Stage:
 
 @dataclass
 class _Source:
-    """The hidden states the deferred stages were given (the final norm's input where the norm
-    is deferred too, else lm_head's), the stages (the final norm, lm_head: whatever modules they
-    are now, with LoRA on lm_head PEFT's), and the tensors they need gradients for, found inside
-    their calls.
+    """The hidden states the stages start from (the final norm's input where lm_head took the
+    final norm's output, else lm_head's), the stages (the final norm, lm_head: whatever modules
+    they are now, with LoRA on lm_head PEFT's), and the tensors they need gradients for, found
+    inside their calls.
 
     The slices are computed by the stages' forwards, inside one call of each stage's module
     (`inside_a_call`): their hooks run around them, once, as around any call (ZeRO-3 gathers the
@@ -212,11 +216,6 @@ class _Source:
     like: torch.Tensor  # the last stage's output: shape and dtype, over one element
     slot: LossSlot
     in_call: bool = True  # until the last stage's call returns: its hooks may still be recording
-
-    def then(self, module: nn.Module, forward, ops: tuple, like: torch.Tensor, targets: Targets) -> _Source:
-        """This source's deferred output (after `ops`) given to one more stage."""
-        stages = (*self.stages[:-1], _Stage(self.stages[-1].module, self.stages[-1].forward, ops))
-        return _Source(self.hidden, (*stages, _Stage(module, forward)), targets, like, self.slot)
 
     def through(self, hidden: torch.Tensor) -> torch.Tensor:
         """The last stage's output for `hidden` (the whole sequence's or a slice's)."""
@@ -261,19 +260,15 @@ class _Source:
 
     def note_materialised(self, func) -> None:
         name = func if isinstance(func, str) else getattr(func, "__name__", func)
-        what = "its logits" if len(self.stages) > 1 or self.stages[0].module is not self.slot.final_norm else (
-            "its final norm's output"
-        )
         self.slot.warn_once(
             "materialised",
-            f"hf_offload: {self.slot.model_name} applies {name} to {what}, which the tiled loss cannot do one slice "
-            "of tokens at a time; its loss runs untiled",
+            f"hf_offload: {self.slot.model_name} applies {name} to its logits, which the tiled loss cannot do one "
+            "slice of tokens at a time; its loss runs untiled",
         )
 
 
 def _end_of_head_call(module: nn.Module, args, output) -> None:
-    """The last forward hook of lm_head (and of the final norm) while the model's forward defers
-    their outputs."""
+    """lm_head's last forward hook while the model's forward defers its logits."""
     if isinstance(output, DeferredLogits):
         output.source.in_call = False
 
@@ -372,31 +367,29 @@ class LossSlot:
 
     @contextlib.contextmanager
     def deferring(self, model: nn.Module) -> contextlib.AbstractContextManager:
-        """For one forward: the final norm (where found) and lm_head return deferred outputs, and
-        the loss function computes the tiled loss. All are put back afterwards, whatever happens."""
+        """For one forward: lm_head returns deferred logits, from the final norm's input where it
+        is given the final norm's output (the norm then runs slice by slice with it), and the loss
+        function computes the tiled loss. All are put back afterwards, whatever happens.
+
+        The final norm itself runs as written (some models call it elsewhere too, before or
+        between their layers): its last output, if lm_head takes it, is used no further, so its
+        whole-sequence graph and float32 work are freed with the forward's locals."""
         head, norm, slot = model.get_output_embeddings(), self.final_norm, self
         missing = object()
         previous_loss = model.__dict__.get("_loss_function", missing)
-        norm_forward = _own_forward(norm) if norm is not None else None
         head_forward = _own_forward(head)
+        last_norm_call: list = []  # (input, output, the forward it ran, its targets) of the norm's last call
 
-        @torch.compiler.disable(reason=_UNDER_COMPILE)
-        def deferred_norm(hidden, *args, **kwargs):
-            if args or kwargs or not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
-                return norm_forward(hidden, *args, **kwargs)
-            like = _like(norm_forward, hidden)
-            return DeferredLogits(like, _Source(hidden, (_Stage(norm, norm_forward),), Targets.of(norm), like, slot))
+        def norm_called(module, args, kwargs):
+            last_norm_call[:] = [args[0] if len(args) == 1 and not kwargs else None, None, _own_forward(module),
+                                 Targets.of(module)]  # fmt: skip
+
+        def norm_returned(module, args, kwargs, output):
+            if last_norm_call:
+                last_norm_call[1] = output
 
         @torch.compiler.disable(reason=_UNDER_COMPILE)
         def deferred_head(hidden, *args, **kwargs):
-            if isinstance(hidden, DeferredLogits) and (args or kwargs or hidden.whole):
-                hidden = hidden.materialise()
-            if isinstance(hidden, DeferredLogits):  # the final norm's output, still deferred
-                source = hidden.source
-                first = source.inside_a_call(lambda: _replay(source.through(source.hidden[:, :1]), hidden.ops))
-                like = _like(head_forward, first, hidden.shape[1])
-                targets = source.targets.merged(Targets.of(head)).with_extra(hidden.learnable_operands())
-                return DeferredLogits(like, source.then(head, head_forward, hidden.ops, like, targets))
             if args or kwargs or not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
                 slot.warn_once(
                     "head_input",
@@ -405,7 +398,12 @@ class LossSlot:
                 )
                 return head_forward(hidden, *args, **kwargs)
             like = _like(head_forward, hidden)
-            return DeferredLogits(like, _Source(hidden, (_Stage(head, head_forward),), Targets.of(head), like, slot))
+            targets = Targets.of(head)
+            if last_norm_call and _same_data(hidden, last_norm_call[1]) and last_norm_call[0] is not None:
+                norm_input, _output, norm_forward, norm_targets = last_norm_call
+                stages = (_Stage(norm, norm_forward), _Stage(head, head_forward))
+                return DeferredLogits(like, _Source(norm_input, stages, norm_targets.merged(targets), like, slot))
+            return DeferredLogits(like, _Source(hidden, (_Stage(head, head_forward),), targets, like, slot))
 
         @torch.compiler.disable(reason=_UNDER_COMPILE)
         def tiled_loss(logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=-100,
@@ -419,27 +417,39 @@ class LossSlot:
                 return ForCausalLMLoss(logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels)
             return _tiled_loss(slot, logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels)
 
-        deferred = [(head, deferred_head)] + ([(norm, deferred_norm)] if norm is not None else [])
-        previous = [(module, module.__dict__.get("forward")) for module, _ in deferred]
-        ends = []
+        previous_head = head.__dict__.get("forward")
+        hooks = [head.register_forward_hook(_end_of_head_call, always_call=True)]  # the last one
+        if norm is not None:
+            hooks.append(norm.register_forward_pre_hook(norm_called, with_kwargs=True))
+            hooks.append(norm.register_forward_hook(norm_returned, with_kwargs=True))
         try:
-            for module, forward in deferred:
-                module.forward = forward
-                ends.append(module.register_forward_hook(_end_of_head_call, always_call=True))  # the last one
+            head.forward = deferred_head
             model._loss_function = tiled_loss
             yield
         finally:
-            for end in ends:
-                end.remove()
-            for module, forward in previous:
-                if forward is None:
-                    module.__dict__.pop("forward", None)
-                else:
-                    module.forward = forward
+            last_norm_call.clear()
+            for hook in hooks:
+                hook.remove()
+            if previous_head is None:
+                head.__dict__.pop("forward", None)
+            else:
+                head.forward = previous_head
             if previous_loss is missing:
                 model.__dict__.pop("_loss_function", None)
             else:
                 model._loss_function = previous_loss
+
+
+def _same_data(tensor: torch.Tensor, other) -> bool:
+    """`tensor` holds exactly `other`'s elements (it is `other`, or a view keeping all of them:
+    hidden_states[:, slice(-0, None)] for logits_to_keep=0)."""
+    return (
+        isinstance(other, torch.Tensor)
+        and tensor.shape == other.shape
+        and tensor.stride() == other.stride()
+        and tensor.dtype == other.dtype
+        and tensor.data_ptr() == other.data_ptr()
+    )
 
 
 def _own_forward(module: nn.Module):
