@@ -183,7 +183,8 @@ class TilingOptions:
 
     mlp: run each decoder layer's MLP one slice of the sequence at a time, saving only its input.
     norms: the same for the layer's own norms (RMSNorm, LayerNorm), whose float32 upcasts and
-        backward temporaries then exist for one slice.
+        backward temporaries then exist for one slice; and, with `loss`, the final norm, run slice
+        by slice with lm_head.
     projections: the same for the attention's linear projections (q, k, v, o), found at each call
         so that LoRA layers added later are tiled whole: PEFT's float32 adapters then copy their
         input to float32 for one slice at a time.

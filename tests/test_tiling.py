@@ -606,7 +606,7 @@ def test_the_final_norm_runs_slice_by_slice_with_the_loss_head(monkeypatch):
     norm's weight gets its gradient (the float64 tests above hold every gradient)."""
     plain = build("llama")
     tiled = twin(plain)
-    hf_offload.enable_sequence_tiling(tiled, tile_tokens=TILE, mlp=False, norms=False, projections=False)
+    hf_offload.enable_sequence_tiling(tiled, tile_tokens=TILE, mlp=False, projections=False)  # norms: the final one too
     norm = tiled.model.norm
     widths, whole_gradients = [], []
     original = type(norm).forward
