@@ -27,7 +27,7 @@ from hf_offload.tools.devices import (
 )
 from hf_offload.tools.modes import parse_mode
 from hf_offload.tools.simulator import Simulator, StepResult, Training, composition
-from hf_offload.tools.simulator.search import LONGEST, LongestSequence, longest_sequence
+from hf_offload.tools.simulator.search import LONGEST, LongestSequence, longest_sequence, search_lengths
 
 GIB = 2**30
 BASE_MODES = ("none", "hf_offload", "checkpointing", "checkpointing+hf_offload")
@@ -172,7 +172,7 @@ def _estimate_mode(simulator: Simulator, request: Request, mode: str) -> ModeEst
 
     longest = slope = None
     if request.memory_bytes is not None:
-        lengths = (request.seq_len, 2 * request.seq_len)
+        lengths = search_lengths(request.config, training, mode, request.seq_len)
         longest = longest_sequence(
             run,
             mode=mode,

@@ -30,6 +30,7 @@ from hf_offload.internal import MetaStreams, device_streams, resolve_layers, sim
 from hf_offload.tools.devices import DEVICES, Device
 from hf_offload.tools.modes import Mode, parse_mode, set_checkpointing, set_liger_flce
 
+from .memo import SliceMemo
 from .stand_ins import attention_as_on_cuda, real_device_masking, simulated_liger_loss
 from .tracker import MemoryTracker, Peak
 
@@ -216,13 +217,19 @@ class _TrackedStreams(MetaStreams):
 
 
 class Simulator:
-    """A model built once on the meta device, then stepped in any mode at any length."""
+    """A model built once on the meta device, then stepped in any mode at any length.
 
-    def __init__(self, config, training: Training = Training()) -> None:
+    `replay=True` (the default) learns each module call that sequence tiling repeats slice after
+    slice once and replays it (`memo.py`): the same peak, FLOPs and traffic as running every slice
+    (`replay=False`), in a fraction of the time."""
+
+    def __init__(self, config, training: Training = Training(), *, replay: bool = True) -> None:
         from transformers import AutoModelForCausalLM
 
         self.config = config
         self.training = training
+        self.replay = replay
+        self.memo: SliceMemo | None = None  # the last tiled run's, for its counts
         self.tracker = MemoryTracker()
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=training.dtype)
@@ -298,6 +305,10 @@ class Simulator:
                 stack.callback(set_liger_flce, base, False)
                 stack.enter_context(simulated_liger_loss())
             if mode.tiled:
+                if self.replay:
+                    # Under tiling's wrappers, so that its slices call the memo.
+                    self.memo = SliceMemo(tracker)
+                    stack.enter_context(self.memo.installed(self._memo_modules()))
                 hf_offload.enable_sequence_tiling(base, tile_tokens=training.tile_tokens)
                 stack.callback(hf_offload.disable_sequence_tiling, base)
             if mode.hf_offload:
@@ -320,6 +331,15 @@ class Simulator:
             stack.enter_context(real_device_masking())
             stack.enter_context(attention_as_on_cuda())
             yield
+
+    def _memo_modules(self) -> list[torch.nn.Module]:
+        """What tiling may run slice by slice: the decoder layers' parts (not the layers), lm_head."""
+        _adapter, layers = resolve_layers(self.base)
+        modules = [module for layer in layers for module in layer.modules() if module is not layer]
+        head = self.base.get_output_embeddings() if hasattr(self.base, "get_output_embeddings") else None
+        if isinstance(head, torch.nn.Module):
+            modules.append(head)
+        return modules
 
     def _step(self, mode: Mode, seq_len: int, *, trace: bool) -> StepResult:
         tracker, training = self.tracker, self.training
