@@ -46,6 +46,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from hf_offload.internal import active_collector
+
 from .tracker import Account, MemoryTracker, Peak
 
 STATE_ATTR = "_hf_offload_simulator_memo"
@@ -63,6 +65,17 @@ class _Output:
     dtype: torch.dtype
     tag: tuple
     requires_grad: bool
+
+
+@dataclass(frozen=True)
+class _Argument:
+    """A tensor argument, as the call is run again in a sandbox: a fresh tensor like it."""
+
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+    is_view: bool  # a view of something its caller holds (tiling's slice of a leaf): held through backward
 
 
 @dataclass
@@ -87,6 +100,17 @@ def _counts(account: Account) -> tuple:
 
 
 @dataclass
+class _Backward:
+    """A backward learnt for gradients of given shapes and strides, under the tag of its time."""
+
+    effect: _Effect
+    gradients: list[_Output | None]  # per tensor argument, then per parameter
+
+    def same_as(self, other: _Backward) -> bool:
+        return self.effect.same_as(other.effect) and self.gradients == other.gradients
+
+
+@dataclass
 class _Learnt:
     forward: _Effect
     structure: tuple  # per output item: ("tensor", index into outputs) or ("value", constant)
@@ -94,10 +118,8 @@ class _Learnt:
     outputs: list[_Output]
     saved: dict[tuple, int]  # bytes autograd saved for backward, beyond outputs and arguments, by tag
     inputs_saved: list[bool]  # per tensor argument: whether autograd saved it
-    inputs_grad: list[bool]  # per tensor argument: whether it requires grad
-    parameters: list[nn.Parameter]  # the module's parameters that require grad
-    backward: _Effect | None = None
-    gradients: list[_Output | None] = field(default_factory=list)  # per input, then per parameter
+    parameters: int  # how many of the module's parameters require grad
+    backward: _Backward | None = None  # learnt with the call, for contiguous gradients
 
     def same_as(self, other: _Learnt) -> bool:
         if not (
@@ -106,7 +128,7 @@ class _Learnt:
             and self.outputs == other.outputs
             and self.saved == other.saved
             and self.inputs_saved == other.inputs_saved
-            and self.gradients == other.gradients
+            and self.parameters == other.parameters
         ):
             return False
         if (self.backward is None) != (other.backward is None):
@@ -115,10 +137,31 @@ class _Learnt:
 
 
 @dataclass
-class _Key:
-    entry: _Learnt | None = None
+class _Call:
+    """What it takes to run a call again: the module, its forward, the arguments' shape, where
+    it was made (the attribution's tag) and under which autocast."""
+
+    module: nn.Module
+    forward: object
+    template: tuple  # (args, kwargs) with each tensor replaced by None
+    arguments: list[_Argument]
+    tag: tuple
+    autocast: tuple
+
+
+@dataclass
+class _Once:
+    """What is known of one kind of call (or of one kind of its backward)."""
+
+    entry: object = None
     seen: int = 0
     never: bool = False  # runs for real
+
+
+@dataclass
+class _Key(_Once):
+    call: _Call | None = None
+    backwards: dict = field(default_factory=dict)  # (gradients' metadata, tag) -> _Once of a _Backward
 
 
 class SliceMemo:
@@ -127,9 +170,11 @@ class SliceMemo:
     def __init__(self, tracker: MemoryTracker) -> None:
         self.tracker = tracker
         self.keys: dict[tuple, _Key] = {}
+        self.parameters: dict[int, list[nn.Parameter]] = {}  # by module, those requiring grad
         self.learning = False
         self.replays = 0
         self.real_calls = 0
+        self.approximated = 0  # backwards that could not be replayed and ran again for real
         self.modules: list[nn.Module] = []
 
     # -- installing -----------------------------------------------------------------------------
@@ -153,6 +198,7 @@ class SliceMemo:
                     module.forward = previous
             self.modules.clear()
             self.keys.clear()
+            self.parameters.clear()
 
     # -- a call -----------------------------------------------------------------------------------
 
@@ -166,70 +212,90 @@ class SliceMemo:
         ):
             return forward(*args, **kwargs)
         try:
-            key = (id(module), grad, _describe(args), _describe(kwargs), _autocast_state(), self.tracker.tag)
+            key = call_key(module, args, kwargs, grad, self.tracker.tag)
         except _NotReplayable:
-            return forward(*args, **kwargs)
+            return self._real(forward, args, kwargs)
         state = self.keys.get(key)
         if state is None:
             state = self.keys[key] = _Key()
         if state.never:
-            self.real_calls += 1
-            return forward(*args, **kwargs)
+            return self._real(forward, args, kwargs)
         state.seen += 1
         if state.seen <= 2:
+            if state.call is None:
+                state.call = _call_of(module, forward, args, kwargs, self.tracker.tag)
             try:
-                learnt = self._learn(module, forward, args, kwargs, grad)
+                learnt = self._learn(state.call, grad)
             except _NotReplayable:
+                learnt = None
+            if learnt is None or (state.entry is not None and not state.entry.same_as(learnt)):
                 state.never = True
-                self.real_calls += 1
-                return forward(*args, **kwargs)
-            if state.entry is not None and not state.entry.same_as(learnt):
-                state.never = True
-                self.real_calls += 1
-                return forward(*args, **kwargs)
+                return self._real(forward, args, kwargs)
             state.entry = learnt
         self.replays += 1
         learnt = state.entry
-        tensors = [value for value in _flatten((args, kwargs)) if isinstance(value, torch.Tensor)]
         if not grad:
-            outputs = self._replay_forward(learnt)
-            return _rebuild(learnt, outputs)
-        outputs = _Replay.apply(self, learnt, len(tensors), *tensors, *learnt.parameters)
+            return _rebuild(learnt, self._replay_forward(learnt))
+        tensors = [value for value in _flatten((args, kwargs)) if isinstance(value, torch.Tensor)]
+        outputs = _Replay.apply(self, state, len(tensors), *tensors, *self._trainable(module))
         return _rebuild(learnt, list(outputs))
+
+    def _real(self, forward, args: tuple, kwargs: dict):
+        """A call that is not replayed runs for real, and so does everything it calls: what its
+        parts' arguments share with the rest of its graph, and so how long they live, a replay of
+        one part alone cannot know."""
+        self.real_calls += 1
+        paused, self.learning = self.learning, True
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            self.learning = paused
+
+    def _trainable(self, module: nn.Module) -> list[nn.Parameter]:
+        parameters = self.parameters.get(id(module))
+        if parameters is None:
+            parameters = self.parameters[id(module)] = [p for p in module.parameters() if p.requires_grad]
+        return parameters
 
     # -- learning -----------------------------------------------------------------------------------
 
-    def _learn(self, module, forward, args, kwargs, grad: bool) -> _Learnt:
+    def _learn(self, call: _Call, grad: bool, gradients: list | None = None):
+        """Run the call (and with grad its backward, for `gradients` of the given metadata, else
+        contiguous ones) in a sandbox: a _Learnt, or with `gradients` a _Backward."""
         tracker = self.tracker
         outer = tracker.account
         outer_live = outer.live
-        collector = _collector_lengths()
+        collector = _active_collector()
+        lengths = {key: len(value) for key, value in collector.items()}
+        tag = tracker.tag
         self.learning = True
         try:
-            with tracker.sandbox() as account:
-                learnt = self._learn_in(account, module, forward, args, kwargs, grad)
+            with tracker.sandbox() as account, _autocast(call.autocast), torch.set_grad_enabled(grad):
+                tracker.tag = call.tag
+                learnt = self._learn_in(account, call, grad, gradients, tag)
                 if account.live:
                     raise _NotReplayable  # something it made outlives the call
         finally:
             self.learning = False
-        if outer.live != outer_live or _collector_lengths() != collector:
+            tracker.tag = tag
+            recorded = False
+            for key, length in lengths.items():  # what the trial recorded is not the step's
+                recorded |= len(collector[key]) != length
+                del collector[key][length:]
+        if outer.live != outer_live or recorded:
             raise _NotReplayable  # it freed or allocated outside its own account, or recorded an output
         return learnt
 
-    def _learn_in(self, account: Account, module, forward, args, kwargs, grad: bool) -> _Learnt:
+    def _learn_in(self, account: Account, call: _Call, grad: bool, gradients: list | None, tag: tuple):
         tracker = self.tracker
-        flat, rebuild = _flatten_with(args, kwargs)
-        originals = [value for value in flat if isinstance(value, torch.Tensor)]
-        copies = [_like(tensor, tracker) for tensor in originals]
+        copies = [_like(argument, tracker) for argument in call.arguments]
         versions = [copy._version for copy in copies]
         copy_keys = [id(copy.untyped_storage()) for copy in copies]
-        copy_args, copy_kwargs = rebuild(iter(copies))
-        parameters = [p for p in module.parameters() if p.requires_grad] if grad else []
+        copy_args, copy_kwargs = _instantiate(call.template, copies)
+        parameters = self._trainable(call.module) if grad else []
         start_sequence = _next_sequence_nr(tracker) if grad else 0
         base, base_tags = account.live, dict(account.live_by_tag)
-        account.peak = Peak(bytes=base)
-        account.pending_snapshot = False
-        account.clear_counts()
+        _restart(account)
         packed: set[int] = set()
         hooks = (
             torch.autograd.graph.saved_tensors_hooks(lambda t: (packed.add(id(t.untyped_storage())), t)[1], lambda t: t)
@@ -237,7 +303,7 @@ class SliceMemo:
             else contextlib.nullcontext()
         )
         with hooks:
-            result = forward(*copy_args, **copy_kwargs)
+            result = call.forward(*copy_args, **copy_kwargs)
         if any(copy._version != version for copy, version in zip(copies, versions, strict=True)):
             raise _NotReplayable  # it changed an argument in place
         forward_effect = _effect(account, base, base_tags)
@@ -253,59 +319,86 @@ class SliceMemo:
                 _Output(tuple(tensor.shape), tensor.stride(), tensor.dtype, block[1], tensor.requires_grad)
             )
         saved = dict(account.live_by_tag)
-        for tag, nbytes in base_tags.items():
-            saved[tag] = saved.get(tag, 0) - nbytes
+        for name, nbytes in base_tags.items():
+            saved[name] = saved.get(name, 0) - nbytes
         for output in described:
             saved[output.tag] -= _extent_of(output)
-        saved = {tag: nbytes for tag, nbytes in saved.items() if nbytes}
+        saved = {name: nbytes for name, nbytes in saved.items() if nbytes}
         if not grad:
             if saved:
                 raise _NotReplayable
-            return _Learnt(forward_effect, structure, single, described, {}, [False] * len(copies),
-                           [False] * len(copies), [])  # fmt: skip
+            return _Learnt(forward_effect, structure, single, described, {}, [False] * len(copies), 0)
         if any(nbytes < 0 for nbytes in saved.values()):
             raise _NotReplayable
         _check_graph(outputs, copies, parameters, start_sequence)
-        inputs_saved = [key in packed for key in copy_keys]
-        inputs_grad = [copy.requires_grad for copy in copies]
-        learnt = _Learnt(forward_effect, structure, single, described, saved, inputs_saved, inputs_grad, parameters)
-        # Backward, as tiling runs it: one autograd.grad over the slice's graph, every output given a
-        # gradient (its view of the whole gradient: no memory of its own).
+        learnt = _Learnt(
+            forward_effect, structure, single, described, saved, [key in packed for key in copy_keys], len(parameters)
+        )
+        # Backward, as tiling runs it: one autograd.grad over the slice's graph, under the tag of
+        # its time, each output given its gradient (a view of the whole one: no memory of its own).
         differentiable = [tensor for tensor in outputs if tensor.requires_grad]
+        if gradients is None:
+            gradients = [(tuple(t.shape), t.stride(), t.dtype) for t in differentiable]
+        else:
+            differentiable = [t for t, given in zip(differentiable, gradients, strict=True) if given is not None]
+            gradients = [given for given in gradients if given is not None]
         targets = [torch.autograd.graph.get_gradient_edge(copy) for copy in copies if copy.requires_grad]
         targets += parameters
-        if differentiable and targets:
-            with tracker.host_allocations():
-                gradients_in = [
-                    torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta") for t in differentiable
-                ]
-            # Arguments that are not views of something else are held by the graph alone, as a
-            # slice tiling cuts and copies is: let go of them as the caller does.
-            held = [copy for copy, original in zip(copies, originals, strict=True) if original._base is not None]
-            del copies, copy_args, copy_kwargs, result, originals
-            start, start_tags = account.live, dict(account.live_by_tag)
-            account.peak = Peak(bytes=start)
-            account.pending_snapshot = False
-            account.clear_counts()
-            found = torch.autograd.grad(differentiable, targets, gradients_in, allow_unused=True)
-            learnt.backward = _effect(account, start, start_tags)
-            del differentiable, outputs, gradients_in, held
-            gradients = []
-            for gradient in found:
-                if gradient is None:
-                    gradients.append(None)
-                    continue
-                block = account.blocks.get(id(gradient.untyped_storage()))
-                if block is None or gradient.storage_offset() or block[0] != _extent(gradient):
-                    raise _NotReplayable
-                gradients.append(_Output(tuple(gradient.shape), gradient.stride(), gradient.dtype, block[1], False))
-            del found
-            wanted = iter(gradients)
-            learnt.gradients = [next(wanted) if wants else None for wants in inputs_grad] + list(wanted)
-        else:
-            learnt.gradients = [None] * (len(inputs_grad) + len(parameters))
-            learnt.backward = _Effect(0, "", (), "", {}, Account())
+        wanted = [copy.requires_grad for copy in copies] + [True] * len(parameters)
+        if not (differentiable and targets):
+            learnt.backward = _Backward(_Effect(0, "", (), "", {}, Account()), [None] * len(wanted))
+            return learnt
+        with tracker.host_allocations():
+            given = [torch.empty_strided(size, stride, dtype=dtype, device="meta") for size, stride, dtype in gradients]
+        # Arguments that are not views of something else are held by the graph alone, as a slice
+        # tiling cuts and copies is: let go of them as the caller does.
+        held = [copy for copy, argument in zip(copies, call.arguments, strict=True) if argument.is_view]
+        del copies, copy_args, copy_kwargs, result
+        tracker.tag = tag
+        start, start_tags = account.live, dict(account.live_by_tag)
+        _restart(account)
+        found = iter(torch.autograd.grad(differentiable, targets, given, allow_unused=True))
+        effect = _effect(account, start, start_tags)
+        del differentiable, outputs, given, held
+        returned = []
+        for wants in wanted:
+            gradient = next(found) if wants else None
+            if gradient is None:
+                returned.append(None)
+                continue
+            block = account.blocks.get(id(gradient.untyped_storage()))
+            if block is None or gradient.storage_offset() or block[0] != _extent(gradient):
+                raise _NotReplayable
+            returned.append(_Output(tuple(gradient.shape), gradient.stride(), gradient.dtype, block[1], False))
+        learnt.backward = _Backward(effect, returned)
         return learnt
+
+    def _backward_for(self, state: _Key, gradients: tuple) -> _Backward | None:
+        """What the call's backward does for gradients of this metadata, under the tag of now: the
+        one learnt with the call where they are contiguous, else learnt now (twice, compared)."""
+        tag = self.tracker.tag
+        if (
+            all(g is None or g[1] == _contiguous(g[0]) for g in gradients)
+            and all(g is not None for g in gradients)
+            and tag == state.call.tag
+        ):
+            return state.entry.backward
+        once = state.backwards.get((gradients, tag))
+        if once is None:
+            once = state.backwards[(gradients, tag)] = _Once()
+        if once.never:
+            return None
+        once.seen += 1
+        if once.seen <= 2:
+            try:
+                learnt = self._learn(state.call, True, list(gradients))
+            except _NotReplayable:
+                learnt = None
+            if learnt is None or (once.entry is not None and not once.entry.same_as(learnt.backward)):
+                once.never = True
+                return None
+            once.entry = learnt.backward
+        return once.entry
 
     # -- replaying ----------------------------------------------------------------------------------
 
@@ -319,12 +412,32 @@ class SliceMemo:
     def _replay_saved(self, learnt: _Learnt) -> list[torch.Tensor]:
         return [_allocate_bytes(self.tracker, nbytes, tag) for tag, nbytes in learnt.saved.items()]
 
-    def _replay_backward(self, learnt: _Learnt) -> list[torch.Tensor | None]:
+    def _replay_backward(self, backward: _Backward) -> list[torch.Tensor | None]:
         tracker = self.tracker
-        effect = learnt.backward
+        effect = backward.effect
         tracker.transient(effect.peak, op=effect.op, tag=effect.tag, node=effect.node, by_tag=effect.by_tag)
         tracker.count(effect.counts)
-        return [None if gradient is None else _allocate(tracker, gradient) for gradient in learnt.gradients]
+        return [None if gradient is None else _allocate(tracker, gradient) for gradient in backward.gradients]
+
+    def _run_backward(self, state: _Key, gradients: tuple, grads: tuple, inputs: tuple) -> list:
+        """A backward that cannot be replayed: the call runs again for real, with grad, and is
+        differentiated. Its outputs exist twice meanwhile (the replayed ones are still held): an
+        approximation, counted in `approximated`."""
+        self.approximated += 1
+        call = state.call
+        tensors, parameters = inputs[: len(call.arguments)], inputs[len(call.arguments) :]
+        leaves = [t.detach().requires_grad_(t.requires_grad) for t in tensors]
+        args, kwargs = _instantiate(call.template, leaves)
+        paused, self.learning = self.learning, True
+        try:
+            with _autocast(call.autocast), torch.enable_grad():
+                _structure_unused, _single, outputs = _structure(call.forward(*args, **kwargs))
+        finally:
+            self.learning = paused
+        pairs = [(o, g) for o, g in zip([o for o in outputs if o.requires_grad], grads, strict=False) if g is not None]
+        targets = [leaf for leaf in leaves if leaf.requires_grad] + list(parameters)
+        found = iter(torch.autograd.grad([o for o, _ in pairs], targets, [g for _, g in pairs], allow_unused=True))
+        return [next(found) if leaf.requires_grad else None for leaf in leaves] + [next(found) for _ in parameters]
 
 
 def _memo_forward(self: nn.Module, *args, **kwargs):
@@ -335,27 +448,46 @@ def _memo_forward(self: nn.Module, *args, **kwargs):
 
 class _Replay(torch.autograd.Function):
     """A learnt call with grad: forward allocates its outputs and saved bytes, backward replays
-    its backward and returns gradients for the tensor arguments and the module's parameters."""
+    its backward (learnt for the gradients it is given) and returns gradients for the tensor
+    arguments and the module's parameters."""
 
     @staticmethod
-    def forward(ctx, memo: SliceMemo, learnt: _Learnt, count: int, *inputs):
+    def forward(ctx, memo: SliceMemo, state: _Key, count: int, *inputs):
         ctx.set_materialize_grads(False)
-        ctx.memo, ctx.learnt = memo, learnt
+        learnt = state.entry
+        ctx.memo, ctx.state = memo, state
         outputs = memo._replay_forward(learnt)
         ctx.saved = memo._replay_saved(learnt)
         # The arguments autograd saved stay alive with the graph, as in the real call.
         ctx.held = [tensor for tensor, saved in zip(inputs[:count], learnt.inputs_saved, strict=True) if saved]
+        ctx.inputs = inputs
         ctx.mark_non_differentiable(*[t for t, o in zip(outputs, learnt.outputs, strict=True) if not o.requires_grad])
         return tuple(outputs)
 
     @staticmethod
-    def backward(ctx, *_gradients):
-        gradients = ctx.memo._replay_backward(ctx.learnt)
-        ctx.saved = ctx.held = None
+    def backward(ctx, *grads):
+        memo, state = ctx.memo, ctx.state
+        differentiable = [g for g, o in zip(grads, state.entry.outputs, strict=True) if o.requires_grad]
+        metadata = tuple(None if g is None else (tuple(g.shape), g.stride(), g.dtype) for g in differentiable)
+        backward = memo._backward_for(state, metadata)
+        inputs, ctx.inputs = ctx.inputs, None
+        if backward is not None:
+            gradients = memo._replay_backward(backward)
+            ctx.saved = ctx.held = None
+        else:
+            ctx.saved = ctx.held = None
+            gradients = memo._run_backward(state, metadata, differentiable, inputs)
         return (None, None, None, *gradients)
 
 
 # -- helpers ----------------------------------------------------------------------------------------
+
+
+def call_key(module: nn.Module, args: tuple, kwargs: dict, grad: bool, tag: tuple) -> tuple:
+    """What a call is: the module instance (layers that look alike may differ: a dense MLP before
+    MoE blocks, a sliding-window layer between global ones), its arguments' metadata, grad mode,
+    autocast, and where the step's attribution is."""
+    return (id(module), grad, _describe(args), _describe(kwargs), _autocast_state(), tag)
 
 
 def _describe(value):
@@ -387,32 +519,76 @@ def _flatten(value) -> Iterator:
         yield value
 
 
-def _flatten_with(args: tuple, kwargs: dict):
-    """The leaves of (args, kwargs), and a function putting new leaves back in their places."""
-    flat = list(_flatten((args, kwargs)))
-
-    def build(value, leaves):
-        if isinstance(value, (list, tuple)):
-            return type(value)(build(item, leaves) for item in value)
-        if isinstance(value, dict):
-            return {name: build(value[name], leaves) for name in sorted(value)}
-        return next(leaves) if isinstance(value, torch.Tensor) else value
-
-    def rebuild(tensors: Iterator):
-        return build(args, tensors), build(kwargs, tensors)
-
-    return flat, rebuild
-
-
-def _like(tensor: torch.Tensor, tracker: MemoryTracker) -> torch.Tensor:
+def _like(argument: _Argument, tracker: MemoryTracker) -> torch.Tensor:
     """A fresh tensor of the argument's metadata; requiring grad as it does, through a graph of
     its own (not a leaf, so that autograd can let go of it as of the slice it stands for)."""
-    copy = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
-    if tensor.requires_grad:
+    copy = torch.empty_strided(argument.size, argument.stride, dtype=argument.dtype, device="meta")
+    if argument.requires_grad:
         with tracker.host_allocations():
-            root = torch.empty((), dtype=tensor.dtype, device="meta", requires_grad=True)
-        copy.copy_(root.expand(tensor.shape))
+            root = torch.empty((), dtype=argument.dtype, device="meta", requires_grad=True)
+        copy.copy_(root.expand(argument.size))
     return copy
+
+
+_TENSOR = object()  # where a call's template had a tensor
+
+
+def _call_of(module: nn.Module, forward, args: tuple, kwargs: dict, tag: tuple) -> _Call:
+    def strip(value):
+        if isinstance(value, (list, tuple)):
+            return type(value)(strip(item) for item in value)
+        if isinstance(value, dict):
+            return {name: strip(value[name]) for name in sorted(value)}
+        return _TENSOR if isinstance(value, torch.Tensor) else value
+
+    arguments = [
+        _Argument(tuple(t.shape), t.stride(), t.dtype, t.requires_grad, t._base is not None)
+        for t in _flatten((args, kwargs))
+        if isinstance(t, torch.Tensor)
+    ]
+    return _Call(module, forward, (strip(args), strip(kwargs)), arguments, tag, _autocast_state())
+
+
+def _instantiate(template: tuple, tensors: list) -> tuple[tuple, dict]:
+    """(args, kwargs) from a call's template, its tensors put back in the order `_flatten` gives.
+    (No closure: a recursive one is a reference cycle, and would keep the tensors alive.)"""
+    leaves = iter(tensors)
+    return _build(template[0], leaves), _build(template[1], leaves)
+
+
+def _build(value, leaves: Iterator):
+    if isinstance(value, (list, tuple)):
+        return type(value)(_build(item, leaves) for item in value)
+    if isinstance(value, dict):
+        return {name: _build(value[name], leaves) for name in sorted(value)}
+    return next(leaves) if value is _TENSOR else value
+
+
+def _restart(account: Account) -> None:
+    """Measure from what is live now: a fresh peak and counts."""
+    account.peak = Peak(bytes=account.live)
+    account.pending_snapshot = False
+    account.clear_counts()
+
+
+@contextlib.contextmanager
+def _autocast(state: tuple) -> Iterator[None]:
+    """The autocast state a call was made under (the CPU's flag: a CPU build cannot enable CUDA's)."""
+    with contextlib.ExitStack() as stack:
+        for kind, enabled, dtype in state:
+            if kind == "cpu" and (
+                enabled != torch.is_autocast_enabled(kind) or dtype != torch.get_autocast_dtype(kind)
+            ):
+                stack.enter_context(torch.autocast(kind, dtype=dtype, enabled=enabled))
+        yield
+
+
+def _contiguous(size: tuple) -> tuple:
+    stride, step = [], 1
+    for extent in reversed(size):
+        stride.append(step)
+        step *= max(extent, 1)
+    return tuple(reversed(stride))
 
 
 def _extent(tensor: torch.Tensor) -> int:
@@ -502,12 +678,7 @@ def _check_graph(outputs, copies, parameters, start: int) -> None:
         stack.extend(next_node for next_node, _index in node.next_functions)
 
 
-def _collector_lengths():
-    try:
-        from hf_offload.integrations.transformers_outputs import active_collector
-    except ImportError:
-        return None
-    collector = active_collector()
-    if not collector:
-        return None
-    return {key: len(value) for key, value in collector.items() if isinstance(value, list)}
+def _active_collector() -> dict[str, list]:
+    """transformers' output-capturing lists (MoE routers' logits), if a forward is collecting."""
+    collector = active_collector() or {}
+    return {key: value for key, value in collector.items() if isinstance(value, list)}
