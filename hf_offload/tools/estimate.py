@@ -185,12 +185,7 @@ def _estimate_mode(simulator: Simulator, request: Request, mode: str) -> ModeEst
         slope = (long_.peak_bytes - short.peak_bytes) / (long_.tokens - short.tokens)
     step = run(request.seq_len, False)
     seconds = step_seconds(
-        training.device,
-        step.matmul_flops,
-        step.attention_flops,
-        step.traffic_bytes,
-        tflops=request.tflops,
-        efficiency=request.efficiency,
+        training.device, step.compute, step.traffic_bytes, tflops=request.tflops, efficiency=request.efficiency
     )
     for result in results.values():
         result.trace = None  # the per-op lines are only for the search
@@ -321,14 +316,18 @@ def _composition_lines(entry: ModeEstimate) -> list[str]:
 
 
 def _layer_seconds(step: StepResult, phases: tuple[str, ...], device: Device, request: Request) -> float:
-    """Compute time of decoder layer 0 in the given phases (its own FLOPs, by tag)."""
-    matmul = attention = 0
+    """Compute time of decoder layer 0 in the given phases: the step's compute time in the share of
+    its FLOPs that the layer's own are (by tag; the dtypes mixed as in the whole step)."""
+    own = total = 0
     for (phase, *where), (mm, att) in step.flops_by_tag.items():
         label = where[0] if where else ""
+        total += mm + att
         if phase in phases and (label == "layer 0" or label.startswith("layer 0 ")):
-            matmul += mm
-            attention += att
-    return compute_seconds(device, matmul, attention, tflops=request.tflops, efficiency=request.efficiency)
+            own += mm + att
+    if not total:
+        return 0.0
+    seconds = compute_seconds(device, step.compute, tflops=request.tflops, efficiency=request.efficiency)
+    return seconds * own / total
 
 
 def _copy_line(entry: ModeEstimate, request: Request) -> str | None:
@@ -383,11 +382,13 @@ def _assumption_lines(request: Request, *, device_given: bool) -> list[str]:
     note = "" if device_given else " (the default: --device to choose one, --list-devices for all)"
     lines = [
         f"assumed device: {device.name}{note}: {device.tflops:g} TFLOP/s sustained bf16 matmul, "
-        f"{device.link_gbps:g} GB/s host link per direction, {device.memory_tbps:g} TB/s memory",
+        f"{device.fp32_tflops:g} float32, {device.link_gbps:g} GB/s host link per direction, "
+        f"{device.memory_tbps:g} TB/s memory, compute capability {'.'.join(map(str, device.compute_capability))}",
         f"  source: {device.source}",
-        f"  step time: matmuls at {request.efficiency or MATMUL_EFFICIENCY:g} of the matmul rate, causal attention "
-        f"at {ATTENTION_EFFICIENCY:g}, memory-bound ops at {MEMORY_EFFICIENCY:g} of the memory bandwidth (fitted "
-        "to the H200's step times); offloading's copies not included",
+        f"  step time: matmuls at {request.efficiency or MATMUL_EFFICIENCY:g} of the rate of their dtype, attention "
+        f"(what the kernel computes: half the square when causal) at {ATTENTION_EFFICIENCY:g}, memory-bound ops at "
+        f"{MEMORY_EFFICIENCY:g} of the memory bandwidth (fitted to the H200's ten step times, each within 7.1% of a "
+        "fit to the other nine); offloading's copies not included",
     ]
     if request.tflops is not None:
         lines.append(f"  matmul rate: {request.tflops:g} TFLOP/s, given with --tflops")

@@ -27,6 +27,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
+from hf_offload.tools import measured
 from hf_offload.tools.devices import DEVICES
 from hf_offload.tools.presets import preset_config
 from hf_offload.tools.simulator import Simulator, Training
@@ -47,15 +48,10 @@ MODES = (
 TILED_LENGTHS = (32768, 65536)
 TILED_GRANULARITY = 8192
 BUDGETS = {"80 GB": DEVICES["h100-80gb"], "141 GB": DEVICES["h200"]}
-# (preset, LoRA rank or None) -> {(mode, tokens): measured GiB}: the H200, 2026-11-30 (docs/benchmarks.md).
-MEASURED = {
-    ("llama-3-8b", 16): {
-        ("checkpointing", 16384): 42.92,
-        ("checkpointing", 32768): 70.66,
-        ("checkpointing+hf_offload", 16384): 39.17,
-        ("checkpointing+hf_offload", 32768): 63.16,
-    }
-}
+# (preset, LoRA rank or None) -> {(mode, tokens): measured GiB}: the H200's (hf_offload/tools/measured/).
+MEASURED: dict[tuple, dict[tuple, float]] = {}
+for (_model, _rank, _mode, _tokens), _gib in measured.peaks_gib().items():
+    MEASURED.setdefault((_model, _rank), {})[(_mode, _tokens)] = _gib
 
 
 def simulate_panel(task: tuple) -> dict:

@@ -86,6 +86,9 @@ class StepResult:
     attention_flops: int = 0  # counted over the whole sequence square, as flop_counter does
     traffic_bytes: int = 0  # what the ops without FLOPs (casts, norms, activations, copies) read and write
     flops_by_tag: dict[tuple, tuple[int, int]] = field(default_factory=dict, repr=False)  # (matmul, attention)
+    # FLOPs as the kernels compute them, by ("matmul" or "attention", dtype): the time model's input
+    # (a causal attention kernel computes half the square flop_counter counts, a masked one all of it).
+    compute: dict[tuple[str, torch.dtype], float] = field(default_factory=dict, repr=False)
     layer_offloaded_bytes: int | None = None  # the most hf_offload moved for one layer
     offload_stats: dict | None = field(default=None, repr=False)  # hf_offload's statistics of the step
     trace: list[int] | None = field(default=None, repr=False)
@@ -369,6 +372,7 @@ class Simulator:
             attention_flops=tracker.attention_flops,
             traffic_bytes=tracker.traffic_bytes,
             flops_by_tag={tag: tuple(counts) for tag, counts in tracker.flops_by_tag.items()},
+            compute=dict(tracker.compute),
             trace=tracker.trace,
         )
         if mode.hf_offload:
