@@ -23,7 +23,7 @@ from hf_offload import auto_budget
 from hf_offload.engine import offloader
 from hf_offload.tools import measured
 from hf_offload.tools.benchmarks import time_model
-from hf_offload.tools.devices import TIME_MODEL, Device, TimeModel, fit_time_model
+from hf_offload.tools.devices import DEVICES, TIME_MODEL, Device, TimeModel, fit_time_model
 from hf_offload.tools.presets import preset_config
 from hf_offload.tools.simulator import (
     MemoryTracker,
@@ -168,25 +168,146 @@ def tiny_simulator(lora_rank=None, **config) -> Simulator:
     return Simulator(model.config, Training(dtype=torch.float32, lora_rank=lora_rank, lora_dtype=torch.float32))
 
 
-@pytest.mark.parametrize("mode", ["none", "checkpointing"])
-def test_simulated_peak_matches_real_cpu_allocations(mode):
-    """A tiny Llama in float32 with eager attention (no kernel whose CPU and CUDA versions
-    allocate differently): the simulated peak over the weights equals what torch's profiler
-    counts the CPU allocator holding at its peak in the same step on real tensors."""
-    seq = 256
-    sim = tiny_simulator()
+# (mode, LoRA rank, tokens, batch, padded, autocast, tile, MLP width): each simulated and run for
+# real on the CPU. A tiny Llama in float32 with eager attention (no kernel whose CPU and CUDA
+# versions allocate differently), a vocabulary of 64 words so that, as on a GPU at long contexts,
+# the layers and not the loss head hold the tiled steps' peaks; MLPs 1024 wide where the peak is
+# to be in them, as with mixed precision, whose casts are there.
+CPU_STEPS = {
+    "none": ("none", None, 256, 1, False, None, None, 256),
+    "checkpointing": ("checkpointing", None, 256, 1, False, None, None, 256),
+    "tiled-in-a-layer-recompute": ("checkpointing+tiled", 4, 1024, 1, False, None, 128, 256),
+    "tiled-without-checkpointing": ("none+tiled", 4, 1024, 1, False, None, 128, 256),
+    "mixed-precision-lora": ("none", 4, 256, 1, False, torch.bfloat16, None, 1024),
+    "mixed-precision-full-checkpointing": ("checkpointing", None, 256, 1, False, torch.bfloat16, None, 1024),
+    "mixed-precision-full-tiled": ("checkpointing+tiled", None, 1024, 1, False, torch.bfloat16, 128, 256),
+    "padded-batch": ("checkpointing", 4, 256, 2, True, None, None, 256),
+    "padded-batch-tiled": ("none+tiled", 4, 512, 2, True, None, 128, 256),
+}
+
+
+@pytest.mark.parametrize("case", list(CPU_STEPS))
+def test_simulated_peak_matches_real_cpu_allocations(case):
+    """The simulated peak over the weights equals what torch's profiler counts the CPU allocator
+    holding at its peak in the same step on real tensors (within 1%): tiled steps that peak in a
+    layer's recompute or backward, float32 weights under bfloat16 autocast (the Trainer's
+    bf16=True; CPU autocast casts these ops as CUDA's does), a batch of two with padding (the
+    attention mask masks the second row's last quarter)."""
+    mode, lora_rank, seq, batch_size, padded, autocast, tile, width = CPU_STEPS[case]
+    config = dict(vocab_size=64, intermediate_size=width, max_position_embeddings=2048)
+    training = Training(dtype=torch.float32, lora_rank=lora_rank, lora_dtype=torch.float32, batch_size=batch_size,
+                        padded=padded, autocast=autocast, tile_tokens=tile)  # fmt: skip
+    sim = Simulator(tiny_model(attn_implementation="eager", **config).config, training)
     simulated = sim.run(mode, seq)
-    model = tiny_model(attn_implementation="eager")
-    if mode == "checkpointing":
-        model.activation_checkpointing_enable()
-    ids = torch.randint(model.config.vocab_size, (1, seq))
+    model = tiny_model(attn_implementation="eager", **config)
+    if lora_rank is not None:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=lora_rank, target_modules="all-linear"))
+    base = model.get_base_model() if lora_rank is not None else model
+    if mode.startswith("checkpointing"):
+        base.activation_checkpointing_enable()
+    if mode.endswith("+tiled"):
+        hf_offload.enable_sequence_tiling(base, tile_tokens=tile)
+    ids = torch.randint(64, (batch_size, seq))
+    inputs = dict(input_ids=ids, labels=ids)
+    if padded:
+        mask = torch.ones_like(ids)
+        mask[-1, -seq // 4 :] = 0
+        inputs.update(attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
 
     def step():
-        model(input_ids=ids, labels=ids).loss.backward()
+        with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+            loss = model(**inputs).loss
+        loss.backward()
+        del loss
         model.zero_grad(set_to_none=True)
 
-    measured, _ = peak_allocated(step)
+    # Tiling keeps the CPU generator's state per slice (5 KiB each), in host memory on a GPU: not
+    # the device's, and not simulated; the CPU's allocator counts it with the rest.
+    measured, _ = peak_allocated(step, ignore_bytes=torch.get_rng_state().nbytes)
+    if "tiled" in case:
+        assert simulated.peak.tag[1].startswith("layer")  # where a long context's tiled step peaks
     assert simulated.tracked_peak_bytes - sim.resident_bytes == pytest.approx(measured, rel=0.01)
+
+
+def test_mixed_precision_check_catches_a_simulation_without_autocast(monkeypatch):
+    """Companion: without `autocast_as_on_cuda` the float32 model runs in float32 (meta tensors know
+    no autocast), and the same steps' simulated peaks miss the real ones by more than 1%."""
+    monkeypatch.setattr(step_module, "autocast_as_on_cuda", lambda *args: contextlib.nullcontext())
+    for case in ("mixed-precision-lora", "mixed-precision-full-checkpointing"):
+        with pytest.raises(AssertionError, match="comparison failed"):
+            test_simulated_peak_matches_real_cpu_allocations(case)
+
+
+def _query(heads=8, kv_heads=8, seq=64, head_dim=128, dtype=torch.bfloat16, grad=True):
+    query = torch.empty(1, heads, seq, head_dim, dtype=dtype, device="meta", requires_grad=grad)
+    key = torch.empty(1, kv_heads, seq, head_dim, dtype=dtype, device="meta", requires_grad=grad)
+    return query, key, key
+
+
+@pytest.mark.parametrize(
+    "case,expected",
+    [
+        ((dict(), None, 0.0, (9, 0)), "flash"),
+        ((dict(kv_heads=2), None, 0.0, (9, 0)), "flash"),  # grouped-query attention
+        ((dict(), "mask", 0.0, (9, 0)), "efficient"),  # a padding or sliding-window mask
+        ((dict(dtype=torch.float32), None, 0.0, (9, 0)), "efficient"),
+        ((dict(head_dim=208), None, 0.0, (8, 9)), "efficient"),  # no flash backward on sm89
+        ((dict(head_dim=208, grad=False), None, 0.0, (8, 9)), "flash"),  # forward only: flash runs
+        ((dict(head_dim=256), None, 0.0, (8, 9)), "flash"),
+        ((dict(head_dim=256), None, 0.1, (8, 9)), "efficient"),  # above 224 only without dropout
+        ((dict(head_dim=208), None, 0.0, (8, 0)), "flash"),  # sm80 has the kernel
+        ((dict(head_dim=320), None, 0.0, (9, 0)), "efficient"),
+        ((dict(head_dim=102, dtype=torch.float32), None, 0.0, (9, 0)), "math"),  # not a multiple of 4
+    ],
+)
+def test_sdpa_kernel_as_cuda_dispatches(case, expected):
+    """PyTorch's choice (sdp_utils.cpp, flash first) by dtype, mask, head dimension, dropout and
+    compute capability."""
+    shape, mask, dropout, capability = case
+    query, key, value = _query(**shape)
+    mask = torch.ones(1, 1, 64, 64, dtype=torch.bool, device="meta") if mask else None
+    with torch.set_grad_enabled(True):
+        assert stand_ins.sdpa_kernel(query, key, value, mask, dropout, mask is None, capability) == expected
+
+
+def test_a_device_without_flash_backward_for_the_head_dimension_runs_the_memory_efficient_kernel():
+    """Head dimension 208 in training: flash on an H100 (sm90), the memory-efficient kernel on an
+    RTX 4090 (sm89), whose backward saves a float32 log-sum-exp padded to 32 rows instead of
+    flash's and allocates no workspace of flash's."""
+    config = tiny_model(hidden_size=416, num_attention_heads=2, num_key_value_heads=2, head_dim=208).config
+    choose = stand_ins.sdpa_kernel
+    chosen, peaks = {}, {}
+    for name in ("h100-80gb", "rtx4090"):
+        kernels = []
+
+        def recorded(*args, kernels=kernels):
+            kernels.append(choose(*args))
+            return kernels[-1]
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(stand_ins, "sdpa_kernel", recorded)
+            peaks[name] = Simulator(config, Training(device=DEVICES[name])).run("none", 512).tracked_peak_bytes
+        chosen[name] = set(kernels)
+    assert chosen == {"h100-80gb": {"flash"}, "rtx4090": {"efficient"}}
+    assert peaks["h100-80gb"] != peaks["rtx4090"]
+
+
+def test_a_padded_batch_takes_a_sequence_square_mask():
+    """With SDPA, padding makes transformers build a (batch, 1, seq, seq) mask and the kernel take
+    it (the memory-efficient kernel, with the mask as an additive bias in bfloat16, saved for
+    backward by every layer): what padding adds to the peak grows with the square of the
+    sequence. Unpadded, no mask exists and flash attention runs."""
+    config = tiny_model().config
+    extra = {}
+    for seq in (512, 1024):
+        peaks = [Simulator(config, Training(batch_size=2, padded=padded)).run("none", seq).peak_bytes
+                 for padded in (False, True)]  # fmt: skip
+        extra[seq] = peaks[1] - peaks[0]
+    square = 2 * 1024 * 1024 * 2  # one bias of two rows at 1024 tokens, bfloat16
+    assert extra[1024] >= config.num_hidden_layers * square
+    assert extra[1024] == pytest.approx(4 * extra[512], rel=0.05)
 
 
 @pytest.mark.parametrize("mode", ["hf_offload", "checkpointing+hf_offload"])
@@ -237,9 +358,25 @@ def test_without_real_device_masking_the_meta_step_cannot_decide_packing(monkeyp
     """Companion of `real_device_masking`: transformers asks the position ids whether sequences
     are packed, and a meta tensor has no data to answer with."""
     sim = tiny_simulator()
-    monkeypatch.setattr(step_module, "real_device_masking", contextlib.nullcontext)
+    monkeypatch.setattr(step_module, "real_device_masking", lambda **kwargs: contextlib.nullcontext())
     with pytest.raises(RuntimeError, match="meta"):
         sim.run("checkpointing", 128)
+
+
+def test_without_an_answer_on_padding_the_meta_step_cannot_decide_the_mask(monkeypatch):
+    """Companion of `real_device_masking(padded=...)`: given an attention mask, transformers asks it
+    whether any position is padding, and a meta tensor has no data to answer with."""
+    from transformers import masking_utils
+
+    @contextlib.contextmanager
+    def packing_only(padded):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
+            yield
+
+    monkeypatch.setattr(step_module, "real_device_masking", lambda padded: packing_only(padded))
+    with pytest.raises(RuntimeError, match="meta"):
+        Simulator(tiny_model().config, Training(batch_size=2, padded=True)).run("none", 128)
 
 
 def test_attention_runs_the_cuda_kernel_and_not_the_math_path(monkeypatch):
@@ -448,16 +585,18 @@ def one_thread():
         torch.set_num_threads(threads)
 
 
-def peak_allocated(fn) -> tuple[int, list[str]]:
+def peak_allocated(fn, ignore_bytes: int | None = None) -> tuple[int, list[str]]:
     """The most bytes the CPU allocator held at once while `fn` ran, beyond what was allocated
     before, and the ops running at that moment, innermost first. Every allocation and free is
-    reported by torch's profiler with its size, so this is exact."""
+    reported by torch's profiler with its size, so this is exact (allocations of exactly
+    `ignore_bytes` left out)."""
     with one_thread(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     events = list(prof.profiler.kineto_results.events())
     live = peak = 0
     at = None
-    for start, nbytes in sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"):
+    memory = [(e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]" and abs(e.nbytes()) != ignore_bytes]
+    for start, nbytes in sorted(memory):
         live += nbytes
         if live > peak:
             peak, at = live, start

@@ -118,6 +118,8 @@ class Estimate:
                 "device": training.device.name,
                 "host_memory_bytes": training.host_memory_bytes,
                 "tile_tokens": training.tile_tokens,
+                "autocast": None if training.autocast is None else str(training.autocast).removeprefix("torch."),
+                "padded": training.padded,
                 "simulated": True,
             },
             "modes": modes,
@@ -258,10 +260,13 @@ def _setup_line(request: Request) -> str:
     host_bytes = training.host_memory_bytes
     host = "unlimited host memory" if host_bytes is None else f"{size(host_bytes)} of host memory"
     tiles = "" if training.tile_tokens is None else f", {training.tile_tokens} tokens per tiled slice"
+    if training.autocast is not None:
+        dtype = f"{dtype} weights under {str(training.autocast).removeprefix('torch.')} autocast"
+    padded = ", padded" if training.padded else ""
     return (
-        f"{request.name}: {tuning}, {dtype}, batch {training.batch_size} x {request.seq_len} tokens, {optimizer}, "
-        f"{host}{tiles}; simulated on the meta device (the real step, without data: transformers, PEFT, checkpointing, "
-        "hf_offload's engine, the loss)"
+        f"{request.name}: {tuning}, {dtype}, batch {training.batch_size} x {request.seq_len} tokens{padded}, "
+        f"{optimizer}, {host}{tiles}; simulated on the meta device (the real step, without data: transformers, PEFT, "
+        "checkpointing, hf_offload's engine, the loss)"
     )
 
 

@@ -264,7 +264,7 @@ class SliceMemo:
         contiguous ones) in a sandbox: a _Learnt, or with `gradients` a _Backward."""
         tracker = self.tracker
         outer = tracker.account
-        outer_live = outer.live
+        outer_live, aside = outer.live, tracker.aside_bytes
         collector = _active_collector()
         lengths = {key: len(value) for key, value in collector.items()}
         tag = tracker.tag
@@ -282,6 +282,8 @@ class SliceMemo:
             for key, length in lengths.items():  # what the trial recorded is not the step's
                 recorded |= len(collector[key]) != length
                 del collector[key][length:]
+        if outer is tracker.main:  # what the call put in a cache of the step's (autocast's casts) stays there
+            outer_live += tracker.aside_bytes - aside
         if outer.live != outer_live or recorded:
             raise _NotReplayable  # it freed or allocated outside its own account, or recorded an output
         return learnt

@@ -31,7 +31,7 @@ from hf_offload.tools.devices import DEVICES, Device
 from hf_offload.tools.modes import Mode, parse_mode, set_checkpointing, set_liger_flce
 
 from .memo import SliceMemo
-from .stand_ins import attention_as_on_cuda, real_device_masking, simulated_liger_loss
+from .stand_ins import attention_as_on_cuda, autocast_as_on_cuda, real_device_masking, simulated_liger_loss
 from .tracker import MemoryTracker, Peak
 
 # Modes whose offloading is not hf_offload's: they need pinned memory or an accelerator.
@@ -60,12 +60,22 @@ class Training:
     device_memory_bytes: int | None = None  # what the "_auto" modes read as the device's memory
     device_budget_bytes: int | None = None  # max_device_bytes for the other hf_offload modes (None: no budget)
     tile_tokens: int | None = None  # for the "+tiled" modes (None: tiling's defaults)
+    # Mixed precision: the forward and loss under autocast to this dtype (the Trainer's bf16=True on
+    # a float32 model: dtype=float32, autocast=bfloat16); None: no autocast.
+    autocast: torch.dtype | None = None
+    # A batch padded to its longest sequence: an attention mask that masks positions, as a collator
+    # makes; the kernels then take a sequence x sequence mask. (Every row is as long as seq_len.)
+    padded: bool = False
 
     def __post_init__(self) -> None:
         if self.optimizer_states not in (0, 2):
             raise ValueError(f"optimizer_states must be 0 (no optimizer) or 2 (AdamW), got {self.optimizer_states}")
         if self.lora_rank is not None and self.lora_rank < 1:
             raise ValueError(f"lora_rank must be >= 1 or None, got {self.lora_rank}")
+        if self.autocast not in (None, torch.bfloat16, torch.float16):
+            raise ValueError(f"autocast must be torch.bfloat16, torch.float16 or None, got {self.autocast}")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
 
 
 @dataclass
@@ -331,8 +341,10 @@ class Simulator:
                 )
                 stack.callback(hf_offload.disable_activation_offloading, base)
             stack.enter_context(device_streams(lambda device: _TrackedStreams(device, tracker)))
-            stack.enter_context(real_device_masking())
-            stack.enter_context(attention_as_on_cuda())
+            stack.enter_context(real_device_masking(padded=training.padded))
+            stack.enter_context(attention_as_on_cuda(training.device.compute_capability))
+            if training.autocast is not None:
+                stack.enter_context(autocast_as_on_cuda(tracker.in_the_step))
             yield
 
     def _memo_modules(self) -> list[torch.nn.Module]:
@@ -351,7 +363,14 @@ class Simulator:
             tracker.start(trace=trace)
             attribution.enter_phase("forward", "inputs")
             ids = torch.zeros((training.batch_size, seq_len), dtype=torch.long, device="meta")
-            loss = self.model(input_ids=ids, labels=ids).loss
+            inputs = dict(input_ids=ids, labels=ids)
+            if training.padded:
+                inputs["attention_mask"] = torch.ones_like(ids)
+            # The forward and the loss under autocast, the backward after it, as the Trainer runs them.
+            autocast = training.autocast is not None
+            with torch.autocast("cpu", dtype=training.autocast or torch.bfloat16, enabled=autocast):
+                loss = self.model(**inputs).loss
+            del inputs
             attribution.enter_phase("backward", "loss")
             loss.backward()
             del loss, ids

@@ -270,6 +270,7 @@ class MemoryTracker(TorchDispatchMode):
         super().__init__()
         self.main = Account()
         self.account = self.main  # where allocations and counts go now: the step's, or a sandbox's
+        self.aside_bytes = 0  # what `in_the_step` counted in the step from within sandboxes
         self.host: set[int] = set()  # storages hf_offload allocated as host memory
         self.allocating_host = False
         self.tag: tuple = ("weights",)
@@ -355,6 +356,18 @@ class MemoryTracker(TorchDispatchMode):
         finally:
             self.account = previous
             account.settle()
+
+    @contextlib.contextmanager
+    def in_the_step(self) -> Iterator[None]:
+        """What is allocated within this block counts in the step's account even inside a sandbox
+        (a cache a learnt call fills, which outlives it); `aside_bytes` sums it."""
+        previous, self.account = self.account, self.main
+        before = self.main.live
+        try:
+            yield
+        finally:
+            self.aside_bytes += self.main.live - before
+            self.account = previous
 
     def transient(self, nbytes: int, *, op: str, tag: tuple, node: str, by_tag: dict[tuple, int]) -> None:
         """A replayed call's own peak: `nbytes` over what is live now, made of `by_tag` over the
