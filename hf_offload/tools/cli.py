@@ -251,13 +251,15 @@ def _add_estimate_command(commands: argparse._SubParsersAction) -> None:
 
 
 def _estimate_modes(args: argparse.Namespace) -> list[str]:
-    from .estimate import BASE_MODES, CHECKPOINTING_MODES
+    from .estimate import BASE_MODES, CHECKPOINTING_MODES, LONGEST_CONTEXT_MODE
     from .modes import LIGER, TILED, parse_mode
 
     if args.modes is not None:
         modes = list(args.modes)
     else:
         modes = list(CHECKPOINTING_MODES if args.checkpointing else BASE_MODES)
+        if (args.device is not None or args.device_memory is not None) and not args.tile:
+            modes.append(LONGEST_CONTEXT_MODE)  # how long can I train: the answer includes the recipe's mode
     if args.liger:
         modes += [mode + LIGER for mode in modes if not parse_mode(mode).liger]
     if args.tile:

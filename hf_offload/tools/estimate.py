@@ -32,6 +32,8 @@ from hf_offload.tools.simulator.search import LONGEST, LongestSequence, longest_
 GIB = 2**30
 BASE_MODES = ("none", "hf_offload", "checkpointing", "checkpointing+hf_offload")
 CHECKPOINTING_MODES = ("checkpointing", "checkpointing+hf_offload")
+# With a device memory and no modes given, this one too: the longest context's recipe (docs/longest_context.md).
+LONGEST_CONTEXT_MODE = "checkpointing+hf_offload+tiled"
 # Parts of the peak under this share are summed into one line.
 SMALL_PART = 0.01
 
@@ -91,6 +93,8 @@ class Estimate:
                     "workspace_bytes": step.workspace_bytes,
                 },
             }
+            model_type = getattr(request.config.get_text_config(), "model_type", "llama")
+            item["recipe"] = recipe(entry.mode, model_type, request.training.tile_tokens)
             if entry.longest is not None:
                 longest = entry.longest
                 item["max_seq_len"] = longest.max_seq_len
@@ -107,7 +111,9 @@ class Estimate:
                 }
             modes[entry.mode] = item
         training = request.training
+        best = longest_mode(self)
         return {
+            "longest": None if best is None else {"mode": best.mode, "max_seq_len": best.longest.max_seq_len},
             "setup": {
                 "model": request.name,
                 "dtype": str(training.dtype).removeprefix("torch."),
@@ -208,9 +214,68 @@ def size(nbytes: float | None) -> str:
     return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.1f} MiB"
 
 
+def recipe(mode: str, model_type: str = "llama", tile_tokens: int | None = None) -> list[str]:
+    """The lines that put a model loaded with transformers in `mode`, in the order to add them."""
+    parsed = parse_mode(mode)
+    lines = []
+    if parsed.liger:
+        lines.append(f"liger_kernel.transformers.apply_liger_kernel_to_{model_type}(model=model)  # fused loss")
+    if parsed.checkpointing:
+        lines.append("model.activation_checkpointing_enable()")
+    if parsed.hf_offload:
+        lines.append(
+            'model.enable_activation_offloading(max_device_bytes="auto")'
+            if parsed.budget
+            else "model.enable_activation_offloading()"
+        )
+    if parsed.tiled:
+        options = "" if tile_tokens is None else f"tile_tokens={tile_tokens}"
+        lines.append(f"model.enable_sequence_tiling({options})")
+    return lines
+
+
+def longest_mode(estimate: Estimate) -> ModeEstimate | None:
+    """The mode that trains the longest sequence (the first of equals), if any fits."""
+    found = [entry for entry in estimate.modes if entry.longest is not None and entry.longest.max_seq_len]
+    return max(found, key=lambda entry: entry.longest.max_seq_len, default=None)
+
+
+def _headline_lines(estimate: Estimate) -> list[str]:
+    """The answer first: the longest sequence per mode, and what to add for the longest."""
+    request = estimate.request
+    device = request.training.device
+    where = device.name if request.memory_bytes == int(device.memory_gib * GIB) else "the device"
+    lines = [
+        f"Longest sequence in {size(request.memory_bytes)} ({where}), batch {request.training.batch_size} "
+        "(simulated):"
+    ]
+    ordered = sorted(estimate.modes, key=lambda entry: -(entry.longest.max_seq_len or 0))
+    for entry in ordered:
+        longest = entry.longest
+        if longest.max_seq_len is None:
+            lines.append(f"  {entry.mode:<34}{'none fits':>12}")
+            continue
+        at = longest.at_max
+        value = f">= {LONGEST:,}" if longest.reached_limit else f"{longest.max_seq_len:,}"
+        host = f", host {size(at.host_bytes)}" if at.host_bytes else ""
+        lines.append(f"  {entry.mode:<34}{value:>12} tokens  (peak {size(at.peak_bytes)}{host})")
+    best = longest_mode(estimate)
+    if best is not None:
+        model_type = getattr(request.config.get_text_config(), "model_type", "llama")
+        steps = recipe(best.mode, model_type, request.training.tile_tokens)
+        if steps:
+            lines.append(f"To train {best.longest.max_seq_len:,} tokens ({best.mode}), add after loading the model, "
+                         "with `import hf_offload`:")  # fmt: skip
+            lines.extend(f"    {line}" for line in steps)
+    return lines
+
+
 def format_estimate(estimate: Estimate, *, device_given: bool) -> str:
     request = estimate.request
     lines = [_setup_line(request), ""]
+    if request.memory_bytes is not None:
+        lines.extend(_headline_lines(estimate))
+        lines.append("")
     large = max(entry.step.peak_bytes for entry in estimate.modes) >= GIB
     unit, scale = ("GiB", GIB) if large else ("MiB", 2**20)
     flop_unit, flop_scale = ("TFLOP", 1e12) if large else ("GFLOP", 1e9)
