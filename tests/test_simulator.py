@@ -534,6 +534,19 @@ def test_per_op_lines_predict_the_longest_length_exactly():
     assert predict_longest(stepped(10, 110), stepped(20, 120), 1000) == 900
 
 
+def test_phase_lines_predict_where_the_ops_differ():
+    """Tiled steps run more ops at longer lengths, so per-op lines do not exist. The peak's own
+    line would follow the optimizer's constant peak that holds it at short lengths (flat: no
+    limit); the lines of each phase and module find the layer's that grows and overtakes it."""
+    short = stepped(10, 500, trace=[1] * 3)
+    long_ = stepped(20, 500, trace=[1] * 4)
+    short.tag_peaks = {("optimizer", ""): 500, ("backward", "layer 2"): 110}
+    long_.tag_peaks = {("optimizer", ""): 500, ("backward", "layer 2"): 220}
+    assert predict_longest(short, long_, 1000) == 90  # 110 + 11 per token reaches 1000 at 90
+    short.tag_peaks = long_.tag_peaks = {}
+    assert predict_longest(short, long_, 1000) == LONGEST
+
+
 def run_with(peak_of):
     calls = []
 

@@ -19,6 +19,9 @@ from .step import StepResult
 
 # Longer than any device's memory allows for a model worth simulating; the search stops there.
 LONGEST = 1 << 24
+# A prediction beyond this many times the longest length simulated is approached in leaps of that
+# size: a step's cost grows with its length (a tiled one's), and a far prediction is a poor one.
+LEAP = 16
 
 
 @dataclass
@@ -67,7 +70,12 @@ def predict_longest(first: StepResult, second: StepResult, budget: int) -> int |
     if short.trace is not None and long_.trace is not None and len(short.trace) == len(long_.trace):
         lines = [(a, (b - a) / span) for a, b in zip(short.trace, long_.trace, strict=True)]
     else:
+        # Not the same ops (tiling runs more slices at longer lengths): the peak's own line, and one
+        # per phase and module present at both lengths (a peak that is constant at short lengths,
+        # the optimizer's, does not hide a layer's that grows).
         lines = [(short.tracked_peak_bytes, (long_.tracked_peak_bytes - short.tracked_peak_bytes) / span)]
+        common = [tag for tag in short.tag_peaks if tag in long_.tag_peaks]
+        lines += [(short.tag_peaks[tag], (long_.tag_peaks[tag] - short.tag_peaks[tag]) / span) for tag in common]
     longest = float(LONGEST)
     for at_short, slope in lines:
         # bytes at length n: at_short + slope * (n - short.seq_len)
@@ -157,6 +165,8 @@ def longest_sequence(
                 aim = (low + high) / 2  # the line was off: bisect
         if aim is None:  # flat or unknown: double up, or halve down
             aim = 2 * (low or grid) if high is None else ((low or 0) + high) / 2
+        if high is None:  # no step has failed yet: leap at most LEAP times the longest simulated
+            aim = min(aim, LEAP * max(results))
         candidate = max(int(aim) // grid * grid, grid)
         aim = None
         lower = low if low is not None else 0

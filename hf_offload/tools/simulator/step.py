@@ -102,6 +102,9 @@ class StepResult:
     layer_offloaded_bytes: int | None = None  # the most hf_offload moved for one layer
     offload_stats: dict | None = field(default=None, repr=False)  # hf_offload's statistics of the step
     trace: list[int] | None = field(default=None, repr=False)
+    # The most bytes live while each (phase, module) was current: lines through two lengths by tag
+    # predict where per-op lines cannot (a tiled step runs more ops at longer lengths).
+    tag_peaks: dict[tuple, int] = field(default_factory=dict, repr=False)
     seconds: float = 0.0  # how long the simulation took
 
     @property
@@ -393,6 +396,7 @@ class Simulator:
             flops_by_tag={tag: tuple(counts) for tag, counts in tracker.flops_by_tag.items()},
             compute=dict(tracker.compute),
             trace=tracker.trace,
+            tag_peaks=dict(tracker.main.tag_peaks),
         )
         if mode.hf_offload:
             stats = hf_offload.activation_offloading_stats(self.base)

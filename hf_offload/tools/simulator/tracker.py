@@ -88,6 +88,7 @@ class Account:
         self.peak = Peak()
         self.pending_snapshot = False
         self.trace: list[int] | None = [] if trace else None
+        self.tag_peaks: dict[tuple, int] = {}  # the most bytes live while each tag was current
         self.clear_counts()
 
     def clear_counts(self) -> None:
@@ -323,6 +324,7 @@ class MemoryTracker(TorchDispatchMode):
         main.settle()
         main.peak = Peak(bytes=main.live, op="(start)", tag=self.tag, live_by_tag=dict(main.live_by_tag))
         main.trace = [] if trace else None
+        main.tag_peaks = {}
         main.clear_counts()
 
     def finish(self) -> Peak:
@@ -376,6 +378,8 @@ class MemoryTracker(TorchDispatchMode):
         total = account.live + nbytes
         if account.trace is not None:
             account.trace.append(total)
+        if total > account.tag_peaks.get(self.tag, 0):
+            account.tag_peaks[self.tag] = total
         if total > account.peak.bytes:
             account.settle()
             composition = {key: n for key, n in account.live_by_tag.items() if n}
@@ -455,6 +459,8 @@ class MemoryTracker(TorchDispatchMode):
             if live + workspace > account.peak.bytes:
                 self._new_peak(account, live + workspace, workspace=("attention backward workspace", workspace))
             live += workspace
+            if live > account.tag_peaks.get(self.tag, 0):
+                account.tag_peaks[self.tag] = live
         if account.trace is not None:
             account.trace.append(live)
         return out
@@ -470,10 +476,12 @@ class MemoryTracker(TorchDispatchMode):
         nbytes = storage.nbytes()
         tag = self.tag
         account.blocks[key] = [nbytes, tag, weakref.KeyedRef(storage, account.freed, key)]
-        account.live += nbytes
+        live = account.live = account.live + nbytes
         account.live_by_tag[tag] += nbytes
-        if account.live > account.peak.bytes:
-            self._new_peak(account, account.live)
+        if live > account.tag_peaks.get(tag, 0):
+            account.tag_peaks[tag] = live
+        if live > account.peak.bytes:
+            self._new_peak(account, live)
 
     def _new_peak(self, account: Account, nbytes: int, workspace: tuple[str, int] | None = None) -> None:
         peak = account.peak
