@@ -19,6 +19,8 @@ the step's attribution is in. Any other call runs as it is.
   the call and what held it, its outputs, what autograd saved for backward, its FLOPs and
   traffic; with grad, also its backward's (run with `torch.autograd.grad` as tiling does): its
   own peak, and the gradients it returns. The call is then replayed.
+- Under autocast (mixed precision) nothing is replayed: its cache of casts outlives a call, so
+  what one allocates depends on the calls before it.
 - The second call with the key is learnt again and must agree with the first; if it does not,
   or the call did anything a replay cannot repeat (changed an input in place, left something
   allocated besides its outputs and saved tensors, recorded an output of transformers' output
@@ -205,6 +207,10 @@ class SliceMemo:
     def call(self, module: nn.Module, forward, args: tuple, kwargs: dict):
         if self.learning:
             return forward(*args, **kwargs)
+        if torch.is_autocast_enabled("cpu"):
+            # Autocast's cache of casts outlives a call and is cleared when an autocast region ends:
+            # what a call allocates then depends on what came before it. Run for real.
+            return self._real(forward, args, kwargs)
         grad = torch.is_grad_enabled()
         if grad and (
             torch._C._current_autograd_node() is None
