@@ -294,6 +294,31 @@ def test_a_device_without_flash_backward_for_the_head_dimension_runs_the_memory_
     assert peaks["h100-80gb"] != peaks["rtx4090"]
 
 
+def test_a_sliding_window_costs_the_attention_kernel_the_whole_square():
+    """With SDPA, transformers builds a sliding window as a mask once the sequence is longer than
+    the window: the memory-efficient kernel then computes every block of the square, twice what
+    a causal kernel computes, and the time model counts that (and the mask's memory); within the
+    window no mask exists and the causal kernel runs."""
+    window, seq = 256, 1024
+    attention = {}
+    for name, sliding in (("window", window), ("none", None)):
+        config = tiny_model("mistral", sliding_window=sliding, max_position_embeddings=4096).config
+        step = Simulator(config, Training()).run("none", seq)
+        attention[name] = sum(flops for (kind, _dtype), flops in step.compute.items() if kind == "attention")
+        assert step.attention_flops > 0
+    assert attention["window"] == pytest.approx(2 * attention["none"])
+
+
+def test_flops_are_timed_at_their_dtypes_rate():
+    """A float32 matmul (PEFT's float32 adapters) takes the float32 rate, not the bf16 one."""
+    device = DEVICES["h100-80gb"]
+    flops = 1e15
+    bf16 = TIME_MODEL.compute_seconds(device, {("matmul", torch.bfloat16): flops})
+    fp32 = TIME_MODEL.compute_seconds(device, {("matmul", torch.float32): flops})
+    assert fp32 / bf16 == pytest.approx(device.tflops / device.fp32_tflops)
+    assert fp32 > 10 * bf16
+
+
 def test_a_padded_batch_takes_a_sequence_square_mask():
     """With SDPA, padding makes transformers build a (batch, 1, seq, seq) mask and the kernel take
     it (the memory-efficient kernel, with the mask as an additive bias in bfloat16, saved for
