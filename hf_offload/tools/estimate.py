@@ -246,8 +246,7 @@ def _headline_lines(estimate: Estimate) -> list[str]:
     device = request.training.device
     where = device.name if request.memory_bytes == int(device.memory_gib * GIB) else "the device"
     lines = [
-        f"Longest sequence in {size(request.memory_bytes)} ({where}), batch {request.training.batch_size} "
-        "(simulated):"
+        f"Longest sequence in {size(request.memory_bytes)} ({where}), batch {request.training.batch_size} (simulated):"
     ]
     ordered = sorted(estimate.modes, key=lambda entry: -(entry.longest.max_seq_len or 0))
     for entry in ordered:

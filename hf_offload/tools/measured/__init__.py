@@ -45,7 +45,7 @@ def step_seconds(name: str = H200) -> dict[tuple, float]:
 
 
 def provenance(name: str = H200) -> str:
-    """"one NVIDIA H200 (143771 MiB), 2026-11-30, torch 2.11.0+cu130, ..., commit 477c815"."""
+    """Where and with what a run measured: one NVIDIA H200 (143771 MiB), 2026-11-30, torch ..., commit."""
     run = load(name)
     hardware, versions = run["hardware"], run["versions"]
     software = ", ".join(f"{package} {version}" for package, version in versions.items())
