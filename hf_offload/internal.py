@@ -8,9 +8,11 @@ from .auto_budget import device_memory, predicted_step_bytes, simulated_device
 from .engine.planner import plan as plan_device_budget
 from .engine.streams import MetaStreams, device_streams, empty_host_cache
 from .integrations.liger import fused_linear_cross_entropy_in_use
+from .integrations.transformers_outputs import active_collector
 
 __all__ = [
     "MetaStreams",
+    "active_collector",
     "device_memory",
     "device_streams",
     "empty_host_cache",

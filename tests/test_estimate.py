@@ -8,6 +8,7 @@ import logging
 import pytest
 from conftest import TINY_CONFIGS
 
+from hf_offload.tools import estimate as estimate_module
 from hf_offload.tools.cli import main
 
 GIB = 2**30
@@ -159,3 +160,37 @@ def test_budget_options_reach_the_engine(model_dir, capsys):
     tight_host = estimate_json(capsys, *base, "--host-memory", str(1 / 1024))["modes"]["hf_offload"]
     assert tight_host["host_bytes"] < unlimited["host_bytes"]
     assert tight_host["peak_bytes"] > unlimited["peak_bytes"]  # what could not move stayed on the device
+
+
+def test_with_a_device_the_answer_comes_first_with_its_recipe(model_dir, capsys, monkeypatch):
+    """`estimate --model PATH --device ...`: first the longest sequence per mode (the longest
+    context's mode among them), then the lines that reach the longest, then the details; the JSON
+    gains the same answer and each mode's recipe. (Slices of 512 tokens tile the loss head's 4096-word
+    logits too: the tiled mode goes furthest.)"""
+    args = ["--model", str(model_dir), "--device", "h100-80gb", "--device-memory", "0.5", "--seq-len", "512",
+            "--granularity", "512", "--optimizer-states", "0", "--tile-tokens", "512", "--checkpointing"]  # fmt: skip
+    simulate, once = estimate_module.run_estimate, []
+
+    def simulated_once(*args, **kwargs):  # the text and the JSON of one simulation
+        if not once:
+            once.append(simulate(*args, **kwargs))
+        return once[0]
+
+    monkeypatch.setattr(estimate_module, "run_estimate", simulated_once)
+    assert main(["estimate", *args]) == 0
+    out = capsys.readouterr().out
+    answer, details = out.index("Longest sequence in 512.0 MiB"), out.index("peak at")
+    assert answer < out.index("To train") < details
+    listed = out[answer : out.index("To train")]
+    for mode in ("checkpointing", "checkpointing+hf_offload", "checkpointing+hf_offload+tiled"):
+        assert f"  {mode} " in listed
+    lines = ["model.activation_checkpointing_enable()", "model.enable_activation_offloading()",
+             "model.enable_sequence_tiling(tile_tokens=512)"]  # fmt: skip
+    assert "(checkpointing+hf_offload+tiled), add after loading the model" in out
+    assert "\n".join(f"    {line}" for line in lines) in out
+    result = estimate_json(capsys, *args)
+    best = result["longest"]
+    assert best["mode"] == "checkpointing+hf_offload+tiled"
+    assert best["max_seq_len"] == max(m["max_seq_len"] for m in result["modes"].values())
+    assert result["modes"][best["mode"]]["recipe"] == lines
+    assert result["modes"]["checkpointing"]["recipe"] == lines[:1]

@@ -152,6 +152,16 @@ def _add_estimate_command(commands: argparse._SubParsersAction) -> None:
     estimate.add_argument("--batch-size", type=_int_at_least(1, "batch-size"), default=1, help="default 1")
     estimate.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="the weights' dtype (default bf16)")
     estimate.add_argument(
+        "--autocast", choices=("bf16", "fp16"), default=None,
+        help="mixed precision: forward and loss under autocast to this dtype (the Trainer's bf16=True on a float32 "
+        "model: --dtype fp32 --autocast bf16)",
+    )  # fmt: skip
+    estimate.add_argument(
+        "--padded", action="store_true",
+        help="a padded batch: an attention mask with padding, as a collator makes (the kernels then take a "
+        "sequence x sequence mask)",
+    )  # fmt: skip
+    estimate.add_argument(
         "--checkpointing", action="store_true", help="only the modes with gradient checkpointing (default: all four)"
     )
     estimate.add_argument(
@@ -241,13 +251,15 @@ def _add_estimate_command(commands: argparse._SubParsersAction) -> None:
 
 
 def _estimate_modes(args: argparse.Namespace) -> list[str]:
-    from .estimate import BASE_MODES, CHECKPOINTING_MODES
+    from .estimate import BASE_MODES, CHECKPOINTING_MODES, LONGEST_CONTEXT_MODE
     from .modes import LIGER, TILED, parse_mode
 
     if args.modes is not None:
         modes = list(args.modes)
     else:
         modes = list(CHECKPOINTING_MODES if args.checkpointing else BASE_MODES)
+        if (args.device is not None or args.device_memory is not None) and not args.tile:
+            modes.append(LONGEST_CONTEXT_MODE)  # how long can I train: the answer includes the recipe's mode
     if args.liger:
         modes += [mode + LIGER for mode in modes if not parse_mode(mode).liger]
     if args.tile:
@@ -311,6 +323,8 @@ def _run_estimate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         device_memory_bytes=memory,
         device_budget_bytes=None if args.max_device_gib is None else int(args.max_device_gib * 2**30),
         tile_tokens=args.tile_tokens,
+        autocast=None if args.autocast is None else getattr(torch, DTYPES[args.autocast]),
+        padded=args.padded,
     )
     request = Request(
         config=config,

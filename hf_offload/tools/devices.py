@@ -1,9 +1,15 @@
 """What the tools need of an accelerator that simulation cannot give: its rates, its usable memory,
-and the workspaces its libraries allocate through PyTorch's caching allocator."""
+which attention kernel it runs, and the workspaces its libraries allocate through PyTorch's
+caching allocator; and the time model that turns a simulated step's counts into seconds."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+
+import torch
+
+from hf_offload.tools import measured
 
 MIB = 2**20
 
@@ -20,6 +26,10 @@ class Device:
     # counts in max_memory_allocated): 32 MiB on Hopper, 4096 KiB x 2 + 16 KiB x 8 before it
     # (PyTorch's default CUBLAS_WORKSPACE_CONFIG per architecture).
     cublas_workspace_bytes: int = 4 * MIB * 2 + 16 * 1024 * 8
+    # Sustained float32 matmul TFLOP/s without TF32 (PyTorch's default for matmuls): PEFT's
+    # float32 adapters run there.
+    fp32_tflops: float = 0.0
+    compute_capability: tuple[int, int] = (9, 0)  # what SDPA's kernel choice depends on
 
     @property
     def workspace_bytes(self) -> int:
@@ -28,19 +38,28 @@ class Device:
         simulated H200 peak was short of the measured one (0.06-0.07 GiB), not measured alone."""
         return 2 * self.cublas_workspace_bytes
 
+    def matmul_tflops(self, dtype: torch.dtype, tflops: float | None = None) -> float:
+        """The sustained rate of a matmul in `dtype` (`tflops` overrides the half-precision one,
+        and scales the float32 one with it)."""
+        scale = 1.0 if tflops is None else tflops / self.tflops
+        if dtype in (torch.float32, torch.float64):
+            return (self.fp32_tflops or self.tflops / 16) * scale
+        return self.tflops * scale
+
 
 # Vendor datasheet figures are derated to what a sustained workload gets, using the ratios our
-# H200 showed: 789 of 989 dense bf16 TFLOP/s on an 8192^3 matmul (0.80), 55 of 64 GB/s per
-# direction on PCIe gen 5 x16 (0.86), and 139 of 140.4 GiB usable (about 1.4 GiB to the CUDA
-# context and allocator).
+# H200 showed (hf_offload/tools/measured/): 789 of 989 dense bf16 TFLOP/s on an 8192^3 matmul
+# (0.80), 55 of 64 GB/s per direction on PCIe gen 5 x16 (0.86), and 139 of 140.4 GiB usable
+# (about 1.4 GiB to the CUDA context and allocator). Float32 rates are the datasheets' non-tensor
+# figures, derated the same way (not measured).
 DATASHEET_COMPUTE_DERATING = 0.80
 DATASHEET_LINK_DERATING = 0.86
 RESERVED_GIB = 1.4
 HOPPER_CUBLAS_WORKSPACE = 32 * MIB
 
 
-def _from_datasheet(name: str, tflops: float, link_gbps: float, memory_mib: int, memory_tbps: float, what: str,
-                    **extra) -> Device:  # fmt: skip
+def _from_datasheet(name: str, tflops: float, fp32_tflops: float, link_gbps: float, memory_mib: int,
+                    memory_tbps: float, capability: tuple[int, int], what: str, **extra) -> Device:  # fmt: skip
     """A device preset from vendor figures, derated as above."""
     return Device(
         name,
@@ -49,54 +68,69 @@ def _from_datasheet(name: str, tflops: float, link_gbps: float, memory_mib: int,
         round(memory_mib / 1024 - RESERVED_GIB, 1),
         memory_tbps,
         f"datasheet ({what}), derated",
+        fp32_tflops=round(fp32_tflops * DATASHEET_COMPUTE_DERATING, 1),
+        compute_capability=capability,
         **extra,
     )
 
 
-DEVICES = {
-    "h200": Device(
+def _h200() -> Device:
+    run = measured.load(measured.H200)
+    ceilings = run["ceilings"]
+    link = min(ceilings["device_to_pinned_host_gbps"], ceilings["pinned_host_to_device_gbps"])
+    return Device(
         "h200",
-        789.0,
-        55.0,
-        139.0,
+        float(ceilings["bf16_matmul_tflops"]),
+        float(round(link)),
+        round(run["hardware"]["memory_mib"] / 1024 - RESERVED_GIB, 1),
         4.8,
-        "measured on our H200: bf16 8192^3 matmul, pinned copies each way, 143771 MiB total; "
-        "memory bandwidth from the datasheet",
+        f"measured on our H200 ({measured.H200}: bf16 8192^3 matmul, pinned copies each way, "
+        f"{run['hardware']['memory_mib']} MiB total); memory bandwidth and float32 rate from the datasheet",
+        cublas_workspace_bytes=HOPPER_CUBLAS_WORKSPACE,
+        fp32_tflops=round(67 * DATASHEET_COMPUTE_DERATING, 1),
+        compute_capability=(9, 0),
+    )
+
+
+DEVICES = {
+    "h200": _h200(),
+    "h100-80gb": _from_datasheet(
+        "h100-80gb", 989.4, 66.9, 64, 81559, 3.35, (9, 0),
+        "H100 SXM 80GB: 989 TFLOP/s bf16 dense, 67 float32, PCIe gen 5 x16, 81559 MiB",
         cublas_workspace_bytes=HOPPER_CUBLAS_WORKSPACE,
     ),
-    "h100-80gb": _from_datasheet(
-        "h100-80gb", 989.4, 64, 81559, 3.35, "H100 SXM 80GB: 989 TFLOP/s bf16 dense, PCIe gen 5 x16, 81559 MiB",
-        cublas_workspace_bytes=HOPPER_CUBLAS_WORKSPACE,
-    ),  # fmt: skip
     "a100-80gb": _from_datasheet(
-        "a100-80gb", 312, 32, 81920, 2.04, "A100 80GB: 312 TFLOP/s bf16 dense, PCIe gen 4 x16, 81920 MiB"
+        "a100-80gb", 312, 19.5, 32, 81920, 2.04, (8, 0),
+        "A100 80GB: 312 TFLOP/s bf16 dense, 19.5 float32, PCIe gen 4 x16, 81920 MiB",
     ),
     "a100-40gb": _from_datasheet(
-        "a100-40gb", 312, 32, 40960, 1.56, "A100 40GB: 312 TFLOP/s bf16 dense, PCIe gen 4 x16, 40960 MiB"
+        "a100-40gb", 312, 19.5, 32, 40960, 1.56, (8, 0),
+        "A100 40GB: 312 TFLOP/s bf16 dense, 19.5 float32, PCIe gen 4 x16, 40960 MiB",
     ),
-    "l40s": _from_datasheet("l40s", 362, 32, 46068, 0.864, "L40S: 362 TFLOP/s bf16 dense, PCIe gen 4 x16, 46068 MiB"),
+    "l40s": _from_datasheet(
+        "l40s", 362, 91.6, 32, 46068, 0.864, (8, 9),
+        "L40S: 362 TFLOP/s bf16 dense, 91.6 float32, PCIe gen 4 x16, 46068 MiB",
+    ),
     "rtx4090": _from_datasheet(
-        "rtx4090",
-        165.2,
-        32,
-        24564,
-        1.008,
-        "RTX 4090: 165 TFLOP/s bf16 dense with fp32 accumulate, PCIe gen 4 x16, 24564 MiB",
+        "rtx4090", 165.2, 82.6, 32, 24564, 1.008, (8, 9),
+        "RTX 4090: 165 TFLOP/s bf16 dense with fp32 accumulate, 82.6 float32, PCIe gen 4 x16, 24564 MiB",
     ),
-}
+}  # fmt: skip
 
 
 def format_devices() -> str:
     """The `--device` presets as a markdown table."""
     lines = [
-        "| device | sustained bf16 matmul TFLOP/s | host link GB/s per direction | usable memory GiB "
-        "| memory TB/s | cuBLAS workspace MiB | source |",
-        "|---|---|---|---|---|---|---|",
+        "| device | sustained bf16 matmul TFLOP/s | float32 TFLOP/s | host link GB/s per direction "
+        "| usable memory GiB | memory TB/s | compute capability | cuBLAS workspace MiB | source |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for device in DEVICES.values():
+        capability = ".".join(map(str, device.compute_capability))
         lines.append(
-            f"| {device.name} | {device.tflops:g} | {device.link_gbps:g} | {device.memory_gib:g} "
-            f"| {device.memory_tbps:g} | {device.cublas_workspace_bytes / MIB:g} | {device.source} |"
+            f"| {device.name} | {device.tflops:g} | {device.fp32_tflops:g} | {device.link_gbps:g} "
+            f"| {device.memory_gib:g} | {device.memory_tbps:g} | {capability} "
+            f"| {device.cublas_workspace_bytes / MIB:g} | {device.source} |"
         )
     lines.append(
         f"Datasheet figures are derated to the H200's measured ratios: compute x{DATASHEET_COMPUTE_DERATING:g}, "
@@ -105,26 +139,80 @@ def format_devices() -> str:
     return "\n".join(lines)
 
 
-# The step time from a simulated step's counts at a device's rates, with three constants fitted to
-# the ten step times measured on the H200 (2026-11-30; docs/estimate.md has the table, worst
-# error 3.9%): matmuls run at the device's measured matmul rate; causal attention, half of the
-# sequence square flop_counter counts, at 0.68 of it; the ops without FLOPs (casts, norms,
-# activations, adds, copies) are memory-bound: the bytes they read and write, at 0.46 of the
-# datasheet bandwidth (small kernels, each launched on its own).
-MATMUL_EFFICIENCY = 1.00
-ATTENTION_EFFICIENCY = 0.68
-MEMORY_EFFICIENCY = 0.46
+# -- the time model ---------------------------------------------------------------------------------
+
+MATMUL, ATTENTION = "matmul", "attention"
 
 
-def compute_seconds(device: Device, matmul_flops: float, attention_flops: float, *, tflops: float | None = None,
+@dataclass(frozen=True)
+class TimeModel:
+    """A step's seconds from its simulated counts: matmul FLOPs at `matmul` of the device's rate
+    for their dtype (bf16/fp16 or float32); attention FLOPs, counted as the kernel computes them
+    (a causal kernel half the square, one given a mask all of it), at `attention` of that rate;
+    the bytes the FLOP-less ops (casts, norms, activations, adds, copies) read and write at
+    `memory` of the memory bandwidth (small kernels, each launched on its own). Offloading's
+    copies are not in it: where they hide, the step takes this long."""
+
+    matmul: float
+    attention: float
+    memory: float
+
+    def parts(self, device: Device, compute: Mapping, traffic_bytes: float, *,
+              tflops: float | None = None) -> tuple[float, float, float]:  # fmt: skip
+        """Seconds of matmuls, attention and memory-bound ops at efficiency 1 (the fit's basis)."""
+        matmul = attention = 0.0
+        for (kind, dtype), flops in compute.items():
+            seconds = flops / (device.matmul_tflops(dtype, tflops) * 1e12)
+            if kind == ATTENTION:
+                attention += seconds
+            else:
+                matmul += seconds
+        return matmul, attention, traffic_bytes / (device.memory_tbps * 1e12)
+
+    def compute_seconds(self, device: Device, compute: Mapping, *, tflops: float | None = None,
+                        efficiency: float | None = None) -> float:  # fmt: skip
+        matmul, attention, _memory = self.parts(device, compute, 0, tflops=tflops)
+        scale = 1.0 if efficiency is None else self.matmul / efficiency
+        return scale * (matmul / self.matmul + attention / self.attention)
+
+    def seconds(self, device: Device, compute: Mapping, traffic_bytes: float, *, tflops: float | None = None,
+                efficiency: float | None = None) -> float:  # fmt: skip
+        """Seconds of one step on `device`, offloading's copies not included (they overlap compute
+        where they hide: `estimate` says per layer whether they do). `efficiency` overrides the
+        matmuls' (and attention's in proportion)."""
+        _matmul, _attention, memory = self.parts(device, compute, traffic_bytes, tflops=tflops)
+        return self.compute_seconds(device, compute, tflops=tflops, efficiency=efficiency) + memory / self.memory
+
+
+def fit_time_model(points: Iterable[tuple[tuple[float, float, float], float]]) -> TimeModel:
+    """The efficiencies that best predict measured step times: `points` are (parts, seconds),
+    `parts` what `TimeModel.parts` gives for a step. Least squares of the relative errors, linear
+    in the three inverse efficiencies."""
+    rows = torch.tensor([[part / seconds for part in parts] for parts, seconds in points], dtype=torch.float64)
+    used = [column for column in range(rows.shape[1]) if rows[:, column].any()]  # a part none has: efficiency 1
+    solution = torch.linalg.lstsq(rows[:, used], torch.ones((rows.shape[0], 1), dtype=torch.float64))
+    inverse = [1.0] * rows.shape[1]
+    for column, value in zip(used, solution.solution.flatten().tolist(), strict=True):
+        inverse[column] = value
+    if any(value <= 0 for value in inverse):
+        raise ValueError(f"the measured times give a non-positive inverse efficiency: {inverse}")
+    return TimeModel(*(1 / value for value in inverse))
+
+
+# Fitted to the ten step times measured on the H200 (hf_offload/tools/measured/;
+# `python -m hf_offload.tools.benchmarks.time_model` fits it and predicts each point from a fit to
+# the other nine: worst error 7.1%; docs/estimate.md has the table).
+TIME_MODEL = TimeModel(matmul=1.02, attention=0.68, memory=0.47)
+MATMUL_EFFICIENCY = TIME_MODEL.matmul
+ATTENTION_EFFICIENCY = TIME_MODEL.attention
+MEMORY_EFFICIENCY = TIME_MODEL.memory
+
+
+def compute_seconds(device: Device, compute: Mapping, *, tflops: float | None = None,
                     efficiency: float | None = None) -> float:  # fmt: skip
-    rate = (tflops or device.tflops) * 1e12 * (efficiency or MATMUL_EFFICIENCY)
-    return matmul_flops / rate + 0.5 * attention_flops / (rate * ATTENTION_EFFICIENCY / MATMUL_EFFICIENCY)
+    return TIME_MODEL.compute_seconds(device, compute, tflops=tflops, efficiency=efficiency)
 
 
-def step_seconds(device: Device, matmul_flops: float, attention_flops: float, traffic_bytes: float, *,
-                 tflops: float | None = None, efficiency: float | None = None) -> float:  # fmt: skip
-    """Seconds of one step on `device`, offloading's copies not included (they overlap compute
-    where they hide: `estimate` says per layer whether they do)."""
-    memory = traffic_bytes / (device.memory_tbps * 1e12 * MEMORY_EFFICIENCY)
-    return compute_seconds(device, matmul_flops, attention_flops, tflops=tflops, efficiency=efficiency) + memory
+def step_seconds(device: Device, compute: Mapping, traffic_bytes: float, *, tflops: float | None = None,
+                 efficiency: float | None = None) -> float:  # fmt: skip
+    return TIME_MODEL.seconds(device, compute, traffic_bytes, tflops=tflops, efficiency=efficiency)

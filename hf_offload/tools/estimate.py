@@ -27,11 +27,13 @@ from hf_offload.tools.devices import (
 )
 from hf_offload.tools.modes import parse_mode
 from hf_offload.tools.simulator import Simulator, StepResult, Training, composition
-from hf_offload.tools.simulator.search import LONGEST, LongestSequence, longest_sequence
+from hf_offload.tools.simulator.search import LONGEST, LongestSequence, longest_sequence, search_lengths
 
 GIB = 2**30
 BASE_MODES = ("none", "hf_offload", "checkpointing", "checkpointing+hf_offload")
 CHECKPOINTING_MODES = ("checkpointing", "checkpointing+hf_offload")
+# With a device memory and no modes given, this one too: the longest context's recipe (docs/longest_context.md).
+LONGEST_CONTEXT_MODE = "checkpointing+hf_offload+tiled"
 # Parts of the peak under this share are summed into one line.
 SMALL_PART = 0.01
 
@@ -91,6 +93,8 @@ class Estimate:
                     "workspace_bytes": step.workspace_bytes,
                 },
             }
+            model_type = getattr(request.config.get_text_config(), "model_type", "llama")
+            item["recipe"] = recipe(entry.mode, model_type, request.training.tile_tokens)
             if entry.longest is not None:
                 longest = entry.longest
                 item["max_seq_len"] = longest.max_seq_len
@@ -107,7 +111,9 @@ class Estimate:
                 }
             modes[entry.mode] = item
         training = request.training
+        best = longest_mode(self)
         return {
+            "longest": None if best is None else {"mode": best.mode, "max_seq_len": best.longest.max_seq_len},
             "setup": {
                 "model": request.name,
                 "dtype": str(training.dtype).removeprefix("torch."),
@@ -118,6 +124,8 @@ class Estimate:
                 "device": training.device.name,
                 "host_memory_bytes": training.host_memory_bytes,
                 "tile_tokens": training.tile_tokens,
+                "autocast": None if training.autocast is None else str(training.autocast).removeprefix("torch."),
+                "padded": training.padded,
                 "simulated": True,
             },
             "modes": modes,
@@ -172,7 +180,7 @@ def _estimate_mode(simulator: Simulator, request: Request, mode: str) -> ModeEst
 
     longest = slope = None
     if request.memory_bytes is not None:
-        lengths = (request.seq_len, 2 * request.seq_len)
+        lengths = search_lengths(request.config, training, mode, request.seq_len)
         longest = longest_sequence(
             run,
             mode=mode,
@@ -185,12 +193,7 @@ def _estimate_mode(simulator: Simulator, request: Request, mode: str) -> ModeEst
         slope = (long_.peak_bytes - short.peak_bytes) / (long_.tokens - short.tokens)
     step = run(request.seq_len, False)
     seconds = step_seconds(
-        training.device,
-        step.matmul_flops,
-        step.attention_flops,
-        step.traffic_bytes,
-        tflops=request.tflops,
-        efficiency=request.efficiency,
+        training.device, step.compute, step.traffic_bytes, tflops=request.tflops, efficiency=request.efficiency
     )
     for result in results.values():
         result.trace = None  # the per-op lines are only for the search
@@ -211,9 +214,67 @@ def size(nbytes: float | None) -> str:
     return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.1f} MiB"
 
 
+def recipe(mode: str, model_type: str = "llama", tile_tokens: int | None = None) -> list[str]:
+    """The lines that put a model loaded with transformers in `mode`, in the order to add them."""
+    parsed = parse_mode(mode)
+    lines = []
+    if parsed.liger:
+        lines.append(f"liger_kernel.transformers.apply_liger_kernel_to_{model_type}(model=model)  # fused loss")
+    if parsed.checkpointing:
+        lines.append("model.activation_checkpointing_enable()")
+    if parsed.hf_offload:
+        lines.append(
+            'model.enable_activation_offloading(max_device_bytes="auto")'
+            if parsed.budget
+            else "model.enable_activation_offloading()"
+        )
+    if parsed.tiled:
+        options = "" if tile_tokens is None else f"tile_tokens={tile_tokens}"
+        lines.append(f"model.enable_sequence_tiling({options})")
+    return lines
+
+
+def longest_mode(estimate: Estimate) -> ModeEstimate | None:
+    """The mode that trains the longest sequence (the first of equals), if any fits."""
+    found = [entry for entry in estimate.modes if entry.longest is not None and entry.longest.max_seq_len]
+    return max(found, key=lambda entry: entry.longest.max_seq_len, default=None)
+
+
+def _headline_lines(estimate: Estimate) -> list[str]:
+    """The answer first: the longest sequence per mode, and what to add for the longest."""
+    request = estimate.request
+    device = request.training.device
+    where = device.name if request.memory_bytes == int(device.memory_gib * GIB) else "the device"
+    lines = [
+        f"Longest sequence in {size(request.memory_bytes)} ({where}), batch {request.training.batch_size} (simulated):"
+    ]
+    ordered = sorted(estimate.modes, key=lambda entry: -(entry.longest.max_seq_len or 0))
+    for entry in ordered:
+        longest = entry.longest
+        if longest.max_seq_len is None:
+            lines.append(f"  {entry.mode:<34}{'none fits':>12}")
+            continue
+        at = longest.at_max
+        value = f">= {LONGEST:,}" if longest.reached_limit else f"{longest.max_seq_len:,}"
+        host = f", host {size(at.host_bytes)}" if at.host_bytes else ""
+        lines.append(f"  {entry.mode:<34}{value:>12} tokens  (peak {size(at.peak_bytes)}{host})")
+    best = longest_mode(estimate)
+    if best is not None:
+        model_type = getattr(request.config.get_text_config(), "model_type", "llama")
+        steps = recipe(best.mode, model_type, request.training.tile_tokens)
+        if steps:
+            lines.append(f"To train {best.longest.max_seq_len:,} tokens ({best.mode}), add after loading the model, "
+                         "with `import hf_offload`:")  # fmt: skip
+            lines.extend(f"    {line}" for line in steps)
+    return lines
+
+
 def format_estimate(estimate: Estimate, *, device_given: bool) -> str:
     request = estimate.request
     lines = [_setup_line(request), ""]
+    if request.memory_bytes is not None:
+        lines.extend(_headline_lines(estimate))
+        lines.append("")
     large = max(entry.step.peak_bytes for entry in estimate.modes) >= GIB
     unit, scale = ("GiB", GIB) if large else ("MiB", 2**20)
     flop_unit, flop_scale = ("TFLOP", 1e12) if large else ("GFLOP", 1e9)
@@ -263,10 +324,13 @@ def _setup_line(request: Request) -> str:
     host_bytes = training.host_memory_bytes
     host = "unlimited host memory" if host_bytes is None else f"{size(host_bytes)} of host memory"
     tiles = "" if training.tile_tokens is None else f", {training.tile_tokens} tokens per tiled slice"
+    if training.autocast is not None:
+        dtype = f"{dtype} weights under {str(training.autocast).removeprefix('torch.')} autocast"
+    padded = ", padded" if training.padded else ""
     return (
-        f"{request.name}: {tuning}, {dtype}, batch {training.batch_size} x {request.seq_len} tokens, {optimizer}, "
-        f"{host}{tiles}; simulated on the meta device (the real step, without data: transformers, PEFT, checkpointing, "
-        "hf_offload's engine, the loss)"
+        f"{request.name}: {tuning}, {dtype}, batch {training.batch_size} x {request.seq_len} tokens{padded}, "
+        f"{optimizer}, {host}{tiles}; simulated on the meta device (the real step, without data: transformers, PEFT, "
+        "checkpointing, hf_offload's engine, the loss)"
     )
 
 
@@ -321,14 +385,18 @@ def _composition_lines(entry: ModeEstimate) -> list[str]:
 
 
 def _layer_seconds(step: StepResult, phases: tuple[str, ...], device: Device, request: Request) -> float:
-    """Compute time of decoder layer 0 in the given phases (its own FLOPs, by tag)."""
-    matmul = attention = 0
+    """Compute time of decoder layer 0 in the given phases: the step's compute time in the share of
+    its FLOPs that the layer's own are (by tag; the dtypes mixed as in the whole step)."""
+    own = total = 0
     for (phase, *where), (mm, att) in step.flops_by_tag.items():
         label = where[0] if where else ""
+        total += mm + att
         if phase in phases and (label == "layer 0" or label.startswith("layer 0 ")):
-            matmul += mm
-            attention += att
-    return compute_seconds(device, matmul, attention, tflops=request.tflops, efficiency=request.efficiency)
+            own += mm + att
+    if not total:
+        return 0.0
+    seconds = compute_seconds(device, step.compute, tflops=request.tflops, efficiency=request.efficiency)
+    return seconds * own / total
 
 
 def _copy_line(entry: ModeEstimate, request: Request) -> str | None:
@@ -383,11 +451,13 @@ def _assumption_lines(request: Request, *, device_given: bool) -> list[str]:
     note = "" if device_given else " (the default: --device to choose one, --list-devices for all)"
     lines = [
         f"assumed device: {device.name}{note}: {device.tflops:g} TFLOP/s sustained bf16 matmul, "
-        f"{device.link_gbps:g} GB/s host link per direction, {device.memory_tbps:g} TB/s memory",
+        f"{device.fp32_tflops:g} float32, {device.link_gbps:g} GB/s host link per direction, "
+        f"{device.memory_tbps:g} TB/s memory, compute capability {'.'.join(map(str, device.compute_capability))}",
         f"  source: {device.source}",
-        f"  step time: matmuls at {request.efficiency or MATMUL_EFFICIENCY:g} of the matmul rate, causal attention "
-        f"at {ATTENTION_EFFICIENCY:g}, memory-bound ops at {MEMORY_EFFICIENCY:g} of the memory bandwidth (fitted "
-        "to the H200's step times); offloading's copies not included",
+        f"  step time: matmuls at {request.efficiency or MATMUL_EFFICIENCY:g} of the rate of their dtype, attention "
+        f"(what the kernel computes: half the square when causal) at {ATTENTION_EFFICIENCY:g}, memory-bound ops at "
+        f"{MEMORY_EFFICIENCY:g} of the memory bandwidth (fitted to the H200's ten step times, each within 7.1% of a "
+        "fit to the other nine); offloading's copies not included",
     ]
     if request.tflops is not None:
         lines.append(f"  matmul rate: {request.tflops:g} TFLOP/s, given with --tflops")

@@ -6,13 +6,13 @@ Simulated with `hf-offload estimate`'s simulator (the real step on the meta devi
 against the H200's measured peaks (docs/estimate.md). For Llama-3-8B and Qwen2-7B, LoRA r=16 on
 every linear layer (PEFT's fp32 adapters) and full fine-tuning, bf16, batch 1, an AdamW step:
 each mode's peak against the sequence length (the largest of its ops' lines through two
-simulated lengths), the 80 GB and 141 GB lines, and the longest sequence each fits, found by
-bisection (marked x). The tiled mode (sequence tiling of the MLPs, norms, projections and loss
-head, docs/longest_context.md) is simulated at `--tiled-lengths` (default 32k and 64k) and
-searched to a coarser grid: its steps run an op per slice, minutes each near a million tokens.
-The H200's measured peaks are drawn where they exist (8B LoRA; measured
-without the optimizer step, 0.3 GiB less). Writes simulated_peaks.png, simulated_peaks.md and
-simulated_peaks.json.
+simulated lengths; for the tiled mode, whose steps run more slices at longer lengths, the peak's
+own line), the 80 GB and 141 GB lines, and the longest sequence each fits, found by bisection on a
+1024-token grid (marked x). The tiled mode (sequence tiling of the MLPs, norms, projections and
+loss head, docs/longest_context.md) starts its search at 16 slices (`search_lengths`), where its
+peak's line holds. The H200's measured peaks are drawn where they exist (8B LoRA; measured
+without the optimizer step, 0.3 GiB less; hf_offload/tools/measured/). Writes simulated_peaks.png,
+simulated_peaks.md and simulated_peaks.json.
 
 `--presets tiny --lengths 256 512` runs the whole flow in seconds on a tiny model (the tests do).
 """
@@ -21,16 +21,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import multiprocessing
+import sys
 import time
+import warnings
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
+from hf_offload.tools import measured
 from hf_offload.tools.devices import DEVICES
 from hf_offload.tools.presets import preset_config
 from hf_offload.tools.simulator import Simulator, Training
-from hf_offload.tools.simulator.search import longest_sequence
+from hf_offload.tools.simulator.search import longest_sequence, search_lengths
 
 GIB = 2**30
 MODES = (
@@ -41,21 +45,11 @@ MODES = (
     "checkpointing+hf_offload+liger",
     "checkpointing+hf_offload+tiled",
 )
-# Tiled steps run an op per slice, so a step at a million tokens takes minutes to simulate: their
-# lines come from longer lengths (where the slices' fixed costs are small), and their longest
-# sequence is found to a coarser grid.
-TILED_LENGTHS = (32768, 65536)
-TILED_GRANULARITY = 8192
 BUDGETS = {"80 GB": DEVICES["h100-80gb"], "141 GB": DEVICES["h200"]}
-# (preset, LoRA rank or None) -> {(mode, tokens): measured GiB}: the H200, 2026-11-30 (docs/benchmarks.md).
-MEASURED = {
-    ("llama-3-8b", 16): {
-        ("checkpointing", 16384): 42.92,
-        ("checkpointing", 32768): 70.66,
-        ("checkpointing+hf_offload", 16384): 39.17,
-        ("checkpointing+hf_offload", 32768): 63.16,
-    }
-}
+# (preset, LoRA rank or None) -> {(mode, tokens): measured GiB}: the H200's (hf_offload/tools/measured/).
+MEASURED: dict[tuple, dict[tuple, float]] = {}
+for (_model, _rank, _mode, _tokens), _gib in measured.peaks_gib().items():
+    MEASURED.setdefault((_model, _rank), {})[(_mode, _tokens)] = _gib
 
 
 def simulate_panel(task: tuple) -> dict:
@@ -69,9 +63,11 @@ def simulate_panel(task: tuple) -> dict:
     panel = {"preset": preset, "lora_rank": lora_rank, "modes": {}}
     for mode in modes:
         steps = {}
-        lengths, granularity = (
-            (tiled["lengths"], tiled["granularity"]) if "+tiled" in mode else (untiled_lengths, untiled_granularity)
-        )
+        if "+tiled" in mode:
+            lengths = tiled["lengths"] or search_lengths(simulator.config, simulator.training, mode, untiled_lengths[0])
+            granularity = tiled["granularity"] or untiled_granularity
+        else:
+            lengths, granularity = untiled_lengths, untiled_granularity
 
         def run(seq_len: int, trace: bool, mode=mode, steps=steps):
             if seq_len not in steps or (trace and steps[seq_len].trace is None):
@@ -96,15 +92,24 @@ def simulate_panel(task: tuple) -> dict:
             }
         short, long_ = (steps[n] for n in lengths)
         same_ops = len(short.trace) == len(long_.trace)  # not when tiling runs more slices at the longer length
+        # Else the peak's own line and one per phase and module (as the search predicts).
+        common = [tag for tag in short.tag_peaks if tag in long_.tag_peaks]
         entry["lines"] = {
             "lengths": list(lengths),
-            "short": short.trace if same_ops else [short.tracked_peak_bytes],
-            "long": long_.trace if same_ops else [long_.tracked_peak_bytes],
+            "short": short.trace if same_ops else [short.tracked_peak_bytes, *(short.tag_peaks[t] for t in common)],
+            "long": long_.trace if same_ops else [long_.tracked_peak_bytes, *(long_.tag_peaks[t] for t in common)],
             "workspace_bytes": short.workspace_bytes,
         }
         entry["granularity"] = granularity
         entry["peaks"] = {str(n): step.peak_bytes for n, step in sorted(steps.items())}
+        entry["seconds"] = round(sum(step.seconds for step in steps.values()), 1)
         panel["modes"][mode] = entry
+        tuning = f"LoRA r={lora_rank}" if lora_rank else "full"
+        found = ", ".join(f"{name} {v['max_seq_len']}" for name, v in entry["longest"].items())
+        print(f"  {preset} {tuning} {mode}: {found} ({len(steps)} steps, {entry['seconds']:.0f} s)", file=sys.stderr,
+              flush=True)  # fmt: skip
+        for step in steps.values():
+            step.trace = None
     return panel
 
 
@@ -186,8 +191,10 @@ def main(argv=None) -> int:
     parser.add_argument("--modes", nargs="+", default=list(MODES))
     parser.add_argument("--lengths", type=int, nargs=2, default=[8192, 16384])
     parser.add_argument("--granularity", type=int, default=1024)
-    parser.add_argument("--tiled-lengths", type=int, nargs=2, default=list(TILED_LENGTHS))
-    parser.add_argument("--tiled-granularity", type=int, default=TILED_GRANULARITY)
+    parser.add_argument(
+        "--tiled-lengths", type=int, nargs=2, default=None, help="the +tiled modes' lengths (default: 16, 32 slices)"
+    )
+    parser.add_argument("--tiled-granularity", type=int, default=None, help="the +tiled modes' grid (--granularity)")
     parser.add_argument("--tile-tokens", type=int, default=None, help="the +tiled modes' slice (default: tiling's)")
     parser.add_argument("--tunings", nargs="+", choices=["lora", "full"], default=["lora", "full"])
     parser.add_argument(
@@ -198,12 +205,17 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="simulated_peaks_out")
     args = parser.parse_args(argv)
     started = time.perf_counter()
+    # transformers and hf_offload speak up about what the simulation does on purpose, once per step.
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    logging.getLogger("hf_offload").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", category=FutureWarning)
     if args.budgets:
         base = DEVICES["h200"]
         BUDGETS.clear()
         BUDGETS.update({f"{gib:g} GiB": replace(base, memory_gib=gib) for gib in args.budgets})
     ranks = [16 if tuning == "lora" else None for tuning in args.tunings]
-    tiled = dict(lengths=tuple(args.tiled_lengths), granularity=args.tiled_granularity, tile_tokens=args.tile_tokens)
+    tiled_lengths = None if args.tiled_lengths is None else tuple(args.tiled_lengths)
+    tiled = dict(lengths=tiled_lengths, granularity=args.tiled_granularity, tile_tokens=args.tile_tokens)
     tasks = [
         (preset, rank, tuple(args.modes), tuple(args.lengths), args.granularity, dict(BUDGETS), tiled)
         for preset in args.presets

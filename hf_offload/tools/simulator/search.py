@@ -6,7 +6,8 @@ when two steps at different lengths run the same ops, the bytes live during op i
 `a_i + b_i x tokens` exactly, and the peak at any length is the largest of those lines. That
 predicts the longest length; the bisection then simulates the grid points around it until one
 fits and the next does not (more if the prediction was off: tiling runs more ops at longer
-lengths, and hf_offload's host budget or `min_offload_bytes` bend the lines).
+lengths, so only the peak's own line predicts it, and hf_offload's host budget or
+`min_offload_bytes` bend the lines).
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ from .step import StepResult
 
 # Longer than any device's memory allows for a model worth simulating; the search stops there.
 LONGEST = 1 << 24
+# A prediction beyond this many times the longest length simulated is approached in leaps of that
+# size: a step's cost grows with its length (a tiled one's), and a far prediction is a poor one.
+LEAP = 16
 
 
 @dataclass
@@ -40,6 +44,21 @@ class LongestSequence:
     reached_limit: bool = False
 
 
+# A tiled search starts at this many slices of the layers' tile: there a slice's own bytes are a
+# small constant beside what grows with the sequence, and the peak's line through two lengths holds.
+TILED_SEARCH_SLICES = 16
+
+
+def search_lengths(config, training, mode: str, seq_len: int) -> tuple[int, int]:
+    """The two lengths a search of `mode` starts from: `seq_len` and twice it; for a tiled mode
+    at least TILED_SEARCH_SLICES slices (its steps run different ops at different lengths, so
+    only the peak's line predicts, and it holds once the layers dominate the peak)."""
+    if "+tiled" in mode:
+        tile = training.tile_tokens or config.get_text_config().hidden_size
+        seq_len = max(seq_len, TILED_SEARCH_SLICES * tile)
+    return seq_len, 2 * seq_len
+
+
 def predict_longest(first: StepResult, second: StepResult, budget: int) -> int | None:
     """The most tokens per sequence whose peak stays within `budget` (bytes for the tracked ops),
     from two steps of the same mode at two lengths; None when no length fits, LONGEST when memory
@@ -51,7 +70,12 @@ def predict_longest(first: StepResult, second: StepResult, budget: int) -> int |
     if short.trace is not None and long_.trace is not None and len(short.trace) == len(long_.trace):
         lines = [(a, (b - a) / span) for a, b in zip(short.trace, long_.trace, strict=True)]
     else:
+        # Not the same ops (tiling runs more slices at longer lengths): the peak's own line, and one
+        # per phase and module present at both lengths (a peak that is constant at short lengths,
+        # the optimizer's, does not hide a layer's that grows).
         lines = [(short.tracked_peak_bytes, (long_.tracked_peak_bytes - short.tracked_peak_bytes) / span)]
+        common = [tag for tag in short.tag_peaks if tag in long_.tag_peaks]
+        lines += [(short.tag_peaks[tag], (long_.tag_peaks[tag] - short.tag_peaks[tag]) / span) for tag in common]
     longest = float(LONGEST)
     for at_short, slope in lines:
         # bytes at length n: at_short + slope * (n - short.seq_len)
@@ -73,11 +97,19 @@ def longest_sequence(
     lengths: tuple[int, int] = (8192, 16384),
 ) -> LongestSequence:
     """`run(seq_len, trace)` simulates one step. The answer is a multiple of `granularity` that
-    fits, with the next multiple simulated and not fitting (or LONGEST reached)."""
+    fits, with the next multiple simulated and not fitting (or LONGEST reached).
+
+    After the two lengths' prediction, each next length is where the line through the two steps
+    nearest the edge (one that fits and one that does not, once there are both) reaches the
+    memory, rounded down to the grid; where the line is exact, as for a step whose peak grows
+    linearly, the prediction fits and the next grid point does not: two steps. Where it is not
+    (the lines bend), a step that fails to halve the bracket makes the next one a bisection."""
     if granularity < 1:
         raise ValueError(f"granularity must be >= 1, got {granularity}")
     result = LongestSequence(mode=mode, memory_bytes=memory_bytes, granularity=granularity)
     results: dict[int, StepResult] = {}
+    grid = granularity
+    top = LONGEST // grid * grid
 
     def fits(seq_len: int, trace: bool = False) -> bool:
         if seq_len not in results or (trace and results[seq_len].trace is None):
@@ -87,46 +119,67 @@ def longest_sequence(
             result.probes.append(Probe(seq_len, step.peak_bytes, ok, step.host_bytes))
         return results[seq_len].peak_bytes <= memory_bytes
 
+    def bracket() -> tuple[int | None, int | None]:
+        """The smallest grid point simulated not to fit, and the largest below it that fits."""
+        on_grid = [n for n in results if n % grid == 0]
+        high = min((n for n in on_grid if results[n].peak_bytes > memory_bytes), default=None)
+        low = max((n for n in on_grid if results[n].peak_bytes <= memory_bytes and (high is None or n < high)),
+                  default=None)  # fmt: skip
+        return low, high
+
+    def secant() -> float | None:
+        """Where the line through the two steps nearest the edge reaches the memory."""
+        fitting = sorted(n for n in results if results[n].peak_bytes <= memory_bytes)
+        failing = sorted(n for n in results if results[n].peak_bytes > memory_bytes)
+        if fitting and failing:
+            a, b = fitting[-1], failing[0]
+        elif len(fitting) >= 2:
+            a, b = fitting[-2], fitting[-1]
+        elif len(failing) >= 2:
+            a, b = failing[0], failing[1]
+        else:
+            return None
+        pa, pb = results[a].peak_bytes, results[b].peak_bytes
+        if pb == pa or a == b:
+            return None
+        return a + (memory_bytes - pa) * (b - a) / (pb - pa)
+
     first, second = lengths
     fits(first, trace=True)
     fits(second, trace=True)
     predicted = predict_longest(results[first], results[second], memory_bytes - workspace_bytes)
     result.predicted = predicted
-    grid = granularity
-    guess = max((predicted or 0) // grid * grid, grid)
-    guess = min(guess, LONGEST // grid * grid)
-    # A bracket [low, high): low fits, high does not (or is past LONGEST).
-    low = high = None
-    if fits(guess):
-        low, step = guess, grid
-        while True:
-            candidate = low + step
-            if candidate > LONGEST:
-                result.reached_limit = True
-                break
-            if fits(candidate):
-                low, step = candidate, step * 2
-            else:
-                high = candidate
-                break
-    else:
-        high, step = guess, grid
-        while True:
-            candidate = high - step
-            if candidate < grid:
-                break
-            if fits(candidate):
-                low = candidate
-                break
-            high, step = candidate, step * 2
+    aim: float | None = predicted
+    width = None
+    while True:
+        low, high = bracket()
+        if high is not None and (high - (low or 0)) <= grid:
+            break  # the edge: low fits (or nothing does), high does not
+        if low is not None and low >= top:
+            result.reached_limit = True
+            break
+        span = None if low is None or high is None else high - low
+        if aim is None:
+            aim = secant()
+            if span is not None and width is not None and span > width / 2:
+                aim = (low + high) / 2  # the line was off: bisect
+        if aim is None:  # flat or unknown: double up, or halve down
+            aim = 2 * (low or grid) if high is None else ((low or 0) + high) / 2
+        if high is None:  # no step has failed yet: leap at most LEAP times the longest simulated
+            aim = min(aim, LEAP * max(results))
+        candidate = max(int(aim) // grid * grid, grid)
+        aim = None
+        lower = low if low is not None else 0
+        upper = high if high is not None else top + grid
+        candidate = min(max(candidate, lower + grid), upper - grid)
+        if candidate > top:
+            result.reached_limit = low is not None
+            break
+        width = span
+        fits(candidate)
+    low, _high = bracket()
     if low is None:
         return result  # not even one grid step fits
-    while high is not None and high - low > grid:
-        middle = (low + high) // 2 // grid * grid
-        if fits(middle):
-            low = middle
-        else:
-            high = middle
     result.max_seq_len = low
     result.at_max = results[low]
     return result

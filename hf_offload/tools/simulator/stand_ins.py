@@ -2,15 +2,23 @@
 
 - SDPA on meta tensors takes the math path, which materialises the sequence-by-sequence
   attention weights. `attention_as_on_cuda` has `torch.nn.functional.scaled_dot_product_attention`
-  call the kernel CUDA's dispatch picks instead (flash attention, or the memory-efficient one
-  where flash cannot run): the CUDA op itself, whose meta kernel gives its outputs (the output
-  and a float32 log-sum-exp per head and token), and whose backward autograd saves and runs as
-  on a GPU. (The function is replaced rather than intercepted by a TorchFunctionMode: those are
-  not active in backward, where a checkpoint recomputes its layer.)
-- transformers' masking cannot look at position ids without data: `find_packed_sequence_indices`
-  asks whether they restart inside a row. On a GPU, an unpadded batch of one sequence per row
-  answers no, and the causal kernel runs without a mask; `real_device_masking` answers the same.
-  (Unanswered, a mask of sequence x sequence is built: 12 GiB at 64k tokens.)
+  call the kernel CUDA's dispatch would pick on the simulated device (`sdpa_kernel`: flash
+  attention, the memory-efficient one, or the math path, by dtype, head dimension, mask and
+  compute capability), the CUDA op itself, whose meta kernel gives its outputs and whose backward
+  autograd saves and runs as on a GPU; a boolean mask becomes the additive one of the query's
+  dtype that SDPA makes for the memory-efficient kernel, padded to 16 columns. (The function is
+  replaced rather than intercepted by a TorchFunctionMode: those are not active in backward,
+  where a checkpoint recomputes its layer.)
+- transformers' masking cannot look at position ids or at a padding mask without data:
+  `find_packed_sequence_indices` asks whether positions restart inside a row, `fast_all` whether
+  any position is padding. `real_device_masking` answers as a GPU would for the batch simulated:
+  not packed, and padded or not as the training says. (Unanswered, a mask of sequence x sequence
+  is built: 12 GiB at 64k tokens.)
+- CUDA's autocast does nothing to meta tensors. `autocast_as_on_cuda` casts what CUDA's autocast
+  casts while the CPU's autocast is on (the flag checkpoints and tiling replay in backward): the
+  inputs of matmuls, linear layers and attention to its dtype, those of softmax, log-softmax,
+  cross-entropy and norms to float32, caching the casts of leaf tensors that require grad until
+  the outermost autocast ends, as CUDA does.
 - Liger's fused linear cross-entropy is Triton, which runs nothing on meta tensors.
   `SimulatedFusedLinearCrossEntropy` makes the allocations Liger 0.8.5's
   `fused_linear_cross_entropy_forward` makes on CUDA, in the same order, without computing.
@@ -24,27 +32,76 @@ from collections.abc import Iterator
 
 import torch
 
-_FLASH_DTYPES = (torch.float16, torch.bfloat16)
+FLASH, EFFICIENT, MATH = "flash", "efficient", "math"
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def sdpa_kernel(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask, dropout_p: float,
+                is_causal: bool, capability: tuple[int, int]) -> str:  # fmt: skip
+    """The kernel PyTorch's CUDA dispatch (sdp_utils.cpp, flash first) picks on a device of this
+    compute capability: flash attention takes half precision, no mask, head dimensions up to 256
+    on sm80 and later, except in training on sm86-sm89 (and sm120) with head dimensions in
+    (192, 224], or above 224 with dropout, where its backward has no kernel; the memory-efficient
+    kernel takes a mask and float32 too, head dimensions aligned to 8 (4 in float32); else math.
+    (cuDNN attention, which builds with cuDNN newer than 9.15 prefer on sm90 and sm100, is not
+    simulated: flash is.)"""
+    head = query.shape[-1]
+    same_head = key.shape[-1] == head and value.shape[-1] == head
+    training = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    consumer = (8, 6) <= capability <= (8, 9) or (12, 0) <= capability <= (12, 1)
+    backward_kernel = not (training and consumer) or head <= 192 or (dropout_p == 0.0 and head > 224)
+    square = not is_causal or query.shape[-2] == key.shape[-2]
+    if (attn_mask is None and same_head and head <= 256 and (8, 0) <= capability <= (12, 1)
+            and query.dtype in _HALF and backward_kernel and square):  # fmt: skip
+        return FLASH
+    alignment = 8 if query.dtype in _HALF and capability >= (8, 0) else 4
+    dtypes = (*_HALF, torch.float32) if capability >= (8, 0) else (torch.float16, torch.float32)
+    if ((5, 0) <= capability <= (12, 1) and key.shape[-1] == head and head % alignment == 0
+            and value.shape[-1] % alignment == 0 and query.dtype in dtypes):  # fmt: skip
+        return EFFICIENT
+    return MATH
+
+
+def _as_bias(mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """SDPA's preparation of a mask for the memory-efficient kernel: a boolean mask becomes an
+    additive one of the query's dtype (-inf where masked), expanded to (batch, heads, queries,
+    keys), its last dimension padded to a multiple of 16."""
+    if mask.dtype == torch.bool:
+        bias = torch.zeros_like(mask, dtype=query.dtype)
+        bias.masked_fill_(mask.logical_not(), float("-inf"))
+        mask = bias
+    mask = mask.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+    columns = mask.shape[-1]
+    if columns % 16:
+        padded = torch.nn.functional.pad(mask, (0, 16 - columns % 16))
+        mask = padded[..., :columns]
+    return mask
 
 
 @contextlib.contextmanager
-def attention_as_on_cuda() -> Iterator[None]:
-    """`scaled_dot_product_attention` as CUDA dispatches it on a recent GPU: flash attention for
-    half precision without a mask (grouped-query attention included) and head dims up to 256;
-    else the memory-efficient kernel, which takes a mask and float32 but not grouped-query
-    attention; else the math path, as there."""
+def attention_as_on_cuda(capability: tuple[int, int] = (9, 0)) -> Iterator[None]:
+    """`scaled_dot_product_attention` as CUDA dispatches it on a device of this compute
+    capability (`sdpa_kernel`), for meta tensors; and as CUDA's autocast casts its inputs."""
     functional = torch.nn.functional
     original = functional.scaled_dot_product_attention
 
     def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        grouped = key.shape[-3] != query.shape[-3]
-        if query.dtype in _FLASH_DTYPES and attn_mask is None and query.shape[-1] <= 256 and query.is_meta:
+        if not query.is_meta:
+            return original(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+        query, key, value = _autocast_to_lower(query, key, value)
+        kernel = sdpa_kernel(query, key, value, attn_mask, dropout_p, is_causal, capability)
+        if kernel == FLASH:
             return torch.ops.aten._scaled_dot_product_flash_attention(
                 query, key, value, dropout_p, is_causal, False, scale=scale
             )[0]
-        if not grouped and query.is_meta:
+        if kernel == EFFICIENT:
+            if key.shape[-3] != query.shape[-3]:  # grouped-query attention: the kernel's heads, repeated
+                repeats = query.shape[-3] // key.shape[-3]
+                key, value = key.repeat_interleave(repeats, -3), value.repeat_interleave(repeats, -3)
+            bias = None if attn_mask is None else _as_bias(attn_mask, query, key)
+            logsumexp = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
             return torch.ops.aten._scaled_dot_product_efficient_attention(
-                query, key, value, attn_mask, True, dropout_p, is_causal, scale=scale
+                query, key, value, bias, logsumexp, dropout_p, is_causal, scale=scale
             )[0]
         return original(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
 
@@ -56,15 +113,115 @@ def attention_as_on_cuda() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def real_device_masking() -> Iterator[None]:
+def real_device_masking(padded: bool = False) -> Iterator[None]:
     from transformers import masking_utils
 
-    original = masking_utils.find_packed_sequence_indices
+    original_packed, original_all = masking_utils.find_packed_sequence_indices, masking_utils.fast_all
+
+    def fast_all(tensor):
+        return original_all(tensor) if not tensor.is_meta else not padded
+
     masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    masking_utils.fast_all = fast_all
     try:
         yield
     finally:
-        masking_utils.find_packed_sequence_indices = original
+        masking_utils.find_packed_sequence_indices = original_packed
+        masking_utils.fast_all = original_all
+
+
+# -- autocast ---------------------------------------------------------------------------------------
+
+_autocast_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(leaf) -> (leaf, its cast)
+_autocast_hooks: list = []  # what allocates a cached cast: the simulator counts it in its step
+
+
+def _autocast_dtype() -> torch.dtype | None:
+    return torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None
+
+
+def _cast(value, dtype: torch.dtype):
+    """CUDA autocast's cast of one argument: floating meta tensors other than float64 and of another
+    dtype; a leaf requiring grad once per autocast region (cached)."""
+    if not (isinstance(value, torch.Tensor) and value.is_meta and value.is_floating_point()):
+        return value
+    if value.dtype in (dtype, torch.float64):
+        return value
+    if value.is_leaf and value.requires_grad and torch.is_autocast_cache_enabled():
+        cached = _autocast_cache.get(id(value))
+        if cached is None or cached[0] is not value:
+            with contextlib.ExitStack() as stack:
+                for hook in _autocast_hooks:
+                    stack.enter_context(hook())
+                cached = _autocast_cache[id(value)] = (value, value.to(dtype))
+        return cached[1]
+    return value.to(dtype)
+
+
+def _autocast_to_lower(*tensors):
+    dtype = _autocast_dtype()
+    if dtype is None:
+        return tensors
+    return tuple(_cast(t, dtype) for t in tensors)
+
+
+def _wrap(function, to_float32: bool):
+    def wrapped(*args, **kwargs):
+        dtype = _autocast_dtype()
+        if dtype is None:
+            return function(*args, **kwargs)
+        target = torch.float32 if to_float32 else dtype
+        args = tuple(_cast(a, target) for a in args)
+        kwargs = {name: _cast(value, target) for name, value in kwargs.items()}
+        return function(*args, **kwargs)
+
+    wrapped.__wrapped__ = function
+    return wrapped
+
+
+# What CUDA's autocast casts, among the functions transformers' models call (PyTorch's autocast op
+# lists): to its dtype the inputs of matmuls and linear layers (and attention's, in
+# attention_as_on_cuda); to float32 those of softmaxes, losses and norms. Tensor methods are not
+# intercepted (`a @ b` among them: rotary embeddings, which run with autocast off on a GPU).
+_TO_LOWER = [(torch.nn.functional, "linear"), (torch.nn.functional, "bilinear"), (torch.nn.functional, "conv1d"),
+             (torch.nn.functional, "conv2d"), (torch, "matmul"), (torch, "mm"), (torch, "bmm"), (torch, "addmm"),
+             (torch, "baddbmm"), (torch, "addbmm")]  # fmt: skip
+_TO_FLOAT32 = [
+    (torch.nn.functional, name)
+    for name in ("softmax", "log_softmax", "cross_entropy", "nll_loss", "layer_norm", "group_norm", "mse_loss",
+                 "softplus", "kl_div", "binary_cross_entropy_with_logits")
+]  # fmt: skip
+_AUTOCAST_FUNCTIONS = [(module, name, False) for module, name in _TO_LOWER] + [
+    (module, name, True) for module, name in _TO_FLOAT32
+]
+
+
+@contextlib.contextmanager
+def autocast_as_on_cuda(on_cached_cast=None) -> Iterator[None]:
+    """While the CPU's autocast is on, meta tensors are cast as CUDA's autocast casts CUDA ones
+    (module docstring). `on_cached_cast()`, a context manager, is entered around each cached
+    cast: the cache outlives the call that made it."""
+    originals = [(module, name, getattr(module, name)) for module, name, _ in _AUTOCAST_FUNCTIONS]
+    clear = torch.clear_autocast_cache
+
+    def clear_autocast_cache():
+        _autocast_cache.clear()
+        clear()
+
+    for (module, name, to_float32), (_m, _n, function) in zip(_AUTOCAST_FUNCTIONS, originals, strict=True):
+        setattr(module, name, _wrap(function, to_float32))
+    torch.clear_autocast_cache = clear_autocast_cache
+    if on_cached_cast is not None:
+        _autocast_hooks.append(on_cached_cast)
+    try:
+        yield
+    finally:
+        for module, name, function in originals:
+            setattr(module, name, function)
+        torch.clear_autocast_cache = clear
+        _autocast_cache.clear()
+        if on_cached_cast is not None:
+            _autocast_hooks.remove(on_cached_cast)
 
 
 def _next_power_of_2(n: int) -> int:

@@ -30,7 +30,8 @@ from hf_offload.internal import MetaStreams, device_streams, resolve_layers, sim
 from hf_offload.tools.devices import DEVICES, Device
 from hf_offload.tools.modes import Mode, parse_mode, set_checkpointing, set_liger_flce
 
-from .stand_ins import attention_as_on_cuda, real_device_masking, simulated_liger_loss
+from .memo import SliceMemo
+from .stand_ins import attention_as_on_cuda, autocast_as_on_cuda, real_device_masking, simulated_liger_loss
 from .tracker import MemoryTracker, Peak
 
 # Modes whose offloading is not hf_offload's: they need pinned memory or an accelerator.
@@ -59,12 +60,22 @@ class Training:
     device_memory_bytes: int | None = None  # what the "_auto" modes read as the device's memory
     device_budget_bytes: int | None = None  # max_device_bytes for the other hf_offload modes (None: no budget)
     tile_tokens: int | None = None  # for the "+tiled" modes (None: tiling's defaults)
+    # Mixed precision: the forward and loss under autocast to this dtype (the Trainer's bf16=True on
+    # a float32 model: dtype=float32, autocast=bfloat16); None: no autocast.
+    autocast: torch.dtype | None = None
+    # A batch padded to its longest sequence: an attention mask that masks positions, as a collator
+    # makes; the kernels then take a sequence x sequence mask. (Every row is as long as seq_len.)
+    padded: bool = False
 
     def __post_init__(self) -> None:
         if self.optimizer_states not in (0, 2):
             raise ValueError(f"optimizer_states must be 0 (no optimizer) or 2 (AdamW), got {self.optimizer_states}")
         if self.lora_rank is not None and self.lora_rank < 1:
             raise ValueError(f"lora_rank must be >= 1 or None, got {self.lora_rank}")
+        if self.autocast not in (None, torch.bfloat16, torch.float16):
+            raise ValueError(f"autocast must be torch.bfloat16, torch.float16 or None, got {self.autocast}")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
 
 
 @dataclass
@@ -85,9 +96,15 @@ class StepResult:
     attention_flops: int = 0  # counted over the whole sequence square, as flop_counter does
     traffic_bytes: int = 0  # what the ops without FLOPs (casts, norms, activations, copies) read and write
     flops_by_tag: dict[tuple, tuple[int, int]] = field(default_factory=dict, repr=False)  # (matmul, attention)
+    # FLOPs as the kernels compute them, by ("matmul" or "attention", dtype): the time model's input
+    # (a causal attention kernel computes half the square flop_counter counts, a masked one all of it).
+    compute: dict[tuple[str, torch.dtype], float] = field(default_factory=dict, repr=False)
     layer_offloaded_bytes: int | None = None  # the most hf_offload moved for one layer
     offload_stats: dict | None = field(default=None, repr=False)  # hf_offload's statistics of the step
     trace: list[int] | None = field(default=None, repr=False)
+    # The most bytes live while each (phase, module) was current: lines through two lengths by tag
+    # predict where per-op lines cannot (a tiled step runs more ops at longer lengths).
+    tag_peaks: dict[tuple, int] = field(default_factory=dict, repr=False)
     seconds: float = 0.0  # how long the simulation took
 
     @property
@@ -216,13 +233,19 @@ class _TrackedStreams(MetaStreams):
 
 
 class Simulator:
-    """A model built once on the meta device, then stepped in any mode at any length."""
+    """A model built once on the meta device, then stepped in any mode at any length.
 
-    def __init__(self, config, training: Training = Training()) -> None:
+    `replay=True` (the default) learns each module call that sequence tiling repeats slice after
+    slice once and replays it (`memo.py`): the same peak, FLOPs and traffic as running every slice
+    (`replay=False`), in a fraction of the time."""
+
+    def __init__(self, config, training: Training = Training(), *, replay: bool = True) -> None:
         from transformers import AutoModelForCausalLM
 
         self.config = config
         self.training = training
+        self.replay = replay
+        self.memo: SliceMemo | None = None  # the last tiled run's, for its counts
         self.tracker = MemoryTracker()
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=training.dtype)
@@ -298,6 +321,10 @@ class Simulator:
                 stack.callback(set_liger_flce, base, False)
                 stack.enter_context(simulated_liger_loss())
             if mode.tiled:
+                if self.replay:
+                    # Under tiling's wrappers, so that its slices call the memo.
+                    self.memo = SliceMemo(tracker)
+                    stack.enter_context(self.memo.installed(self._memo_modules()))
                 hf_offload.enable_sequence_tiling(base, tile_tokens=training.tile_tokens)
                 stack.callback(hf_offload.disable_sequence_tiling, base)
             if mode.hf_offload:
@@ -317,9 +344,20 @@ class Simulator:
                 )
                 stack.callback(hf_offload.disable_activation_offloading, base)
             stack.enter_context(device_streams(lambda device: _TrackedStreams(device, tracker)))
-            stack.enter_context(real_device_masking())
-            stack.enter_context(attention_as_on_cuda())
+            stack.enter_context(real_device_masking(padded=training.padded))
+            stack.enter_context(attention_as_on_cuda(training.device.compute_capability))
+            if training.autocast is not None:
+                stack.enter_context(autocast_as_on_cuda(tracker.in_the_step))
             yield
+
+    def _memo_modules(self) -> list[torch.nn.Module]:
+        """What tiling may run slice by slice: the decoder layers' parts (not the layers), lm_head."""
+        _adapter, layers = resolve_layers(self.base)
+        modules = [module for layer in layers for module in layer.modules() if module is not layer]
+        head = self.base.get_output_embeddings() if hasattr(self.base, "get_output_embeddings") else None
+        if isinstance(head, torch.nn.Module):
+            modules.append(head)
+        return modules
 
     def _step(self, mode: Mode, seq_len: int, *, trace: bool) -> StepResult:
         tracker, training = self.tracker, self.training
@@ -328,7 +366,14 @@ class Simulator:
             tracker.start(trace=trace)
             attribution.enter_phase("forward", "inputs")
             ids = torch.zeros((training.batch_size, seq_len), dtype=torch.long, device="meta")
-            loss = self.model(input_ids=ids, labels=ids).loss
+            inputs = dict(input_ids=ids, labels=ids)
+            if training.padded:
+                inputs["attention_mask"] = torch.ones_like(ids)
+            # The forward and the loss under autocast, the backward after it, as the Trainer runs them.
+            autocast = training.autocast is not None
+            with torch.autocast("cpu", dtype=training.autocast or torch.bfloat16, enabled=autocast):
+                loss = self.model(**inputs).loss
+            del inputs
             attribution.enter_phase("backward", "loss")
             loss.backward()
             del loss, ids
@@ -349,7 +394,9 @@ class Simulator:
             attention_flops=tracker.attention_flops,
             traffic_bytes=tracker.traffic_bytes,
             flops_by_tag={tag: tuple(counts) for tag, counts in tracker.flops_by_tag.items()},
+            compute=dict(tracker.compute),
             trace=tracker.trace,
+            tag_peaks=dict(tracker.main.tag_peaks),
         )
         if mode.hf_offload:
             stats = hf_offload.activation_offloading_stats(self.base)
