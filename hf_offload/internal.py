@@ -3,12 +3,39 @@ benchmarks, the memory simulator) use beyond the public API. Not for users: thes
 change without notice. The product never imports the tools; the tools reach into the product
 only through the public names and these."""
 
+import contextlib
+from collections.abc import Iterator
+
+from . import api
 from .adapters import resolve_layers, unwrap_model
 from .auto_budget import device_memory, predicted_step_bytes, simulated_device
 from .engine.planner import plan as plan_device_budget
 from .engine.streams import MetaStreams, device_streams, empty_host_cache
 from .integrations.liger import fused_linear_cross_entropy_in_use
 from .integrations.transformers_outputs import active_collector
+
+
+@contextlib.contextmanager
+def longest_context_pieces(
+    *, heads: bool = True, final_norm: bool = True, embeddings: bool = True, late_prefetch: bool = True
+) -> Iterator[None]:
+    """Within this block (for models enabled in it), each piece of the longest-context recipe on
+    or off, to measure what each buys: attention tiled over heads, the final norm chained with
+    the tiled loss, layer 0 taking the frozen embeddings' output detoured, the layer before
+    coming back after the current layer's attention backward. Every piece is on by default."""
+    from .engine import offloader
+    from .tiling import attention, loss
+
+    saved = (attention.SPLITTABLE, loss.CHAIN_FINAL_NORM, api.DETOUR_EMBEDDINGS_OUTPUT, offloader.LATE_PREFETCH_BYTES)
+    attention.SPLITTABLE = saved[0] if heads else ()
+    loss.CHAIN_FINAL_NORM = final_norm
+    api.DETOUR_EMBEDDINGS_OUTPUT = embeddings
+    offloader.LATE_PREFETCH_BYTES = saved[3] if late_prefetch else 2**62
+    try:
+        yield
+    finally:
+        attention.SPLITTABLE, loss.CHAIN_FINAL_NORM, api.DETOUR_EMBEDDINGS_OUTPUT, offloader.LATE_PREFETCH_BYTES = saved
+
 
 __all__ = [
     "MetaStreams",
@@ -17,6 +44,7 @@ __all__ = [
     "device_streams",
     "empty_host_cache",
     "fused_linear_cross_entropy_in_use",
+    "longest_context_pieces",
     "plan_device_budget",
     "predicted_step_bytes",
     "resolve_layers",

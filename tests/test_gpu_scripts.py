@@ -99,3 +99,18 @@ def test_simulated_peaks_script_runs_end_to_end(tmp_path):
     assert longest["checkpointing+hf_offload+tiled"] > longest["checkpointing+hf_offload"]
     assert panel["modes"]["checkpointing+hf_offload+tiled"]["granularity"] == 2048
     assert (tmp_path / "simulated_peaks.png").stat().st_size > 10_000
+
+
+def test_gpu_long_context_ladder_stage_runs_on_the_cpu(capsys):
+    """The longest-context recipe piece by piece: every rung runs a step and is simulated beside
+    it; with every piece on, the simulated peak is no higher than with none."""
+    assert gpu_long_context.main(["--cpu-smoke", "--stages", "ladder", "--ladder-length", "512"]) == 0
+    out = capsys.readouterr().out
+    rows = {}
+    for name, _pieces in gpu_long_context.LADDER:
+        row = next(line for line in out.splitlines() if line.startswith(f"| {name} |"))
+        cells = [cell.strip() for cell in row.strip("|").split("|")]
+        rows[name] = float(cells[2])
+        assert float(cells[4]) > 0  # the step ran
+    first, last = gpu_long_context.LADDER[0][0], gpu_long_context.LADDER[-1][0]
+    assert 0 < rows[last] <= rows[first]

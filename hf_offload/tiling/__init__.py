@@ -111,7 +111,8 @@ def enable_sequence_tiling(model: nn.Module, *positional: object, **options: obj
     if tiles_loss:
         # The final norm is per token too: it runs slice by slice with lm_head, so that its output
         # and its float32 work never exist for the whole sequence.
-        final_norm = find_final_norm(target, layers or resolve_layers(target)[1]) if parsed.norms else None
+        chain = parsed.norms and loss_tiling.CHAIN_FINAL_NORM
+        final_norm = find_final_norm(target, layers or resolve_layers(target)[1]) if chain else None
         loss_tiling.install(target, parsed.tile_tokens, final_norm)
 
 

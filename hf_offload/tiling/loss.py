@@ -62,6 +62,10 @@ _PER_TOKEN_OPS = frozenset(
 _REFLECTED = frozenset({"mul", "div", "truediv", "add", "sub", "pow"})
 
 
+# Off only to measure what chaining the final norm with lm_head buys (`hf_offload.internal`).
+CHAIN_FINAL_NORM = True
+
+
 def loss_tile_tokens(vocab: int) -> int:
     return max(1, LOSS_TILE_ELEMENTS // max(vocab, 1))
 

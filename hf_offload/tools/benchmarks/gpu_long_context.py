@@ -16,6 +16,11 @@ on the device, batch 1, non-reentrant checkpointing in every mode:
    alone, at a step time at most 1.03x that of checkpointing + FLCE;
 3. the GPU tests that need Liger or run the examples (tests/test_gpu_liger.py, and
    tests/test_examples.py's GPU tests: `hf-offload demo` and each example's --compare --control);
+3b. the longest-context recipe piece by piece (`--stages ladder`, docs/longest_context.md): one step
+   of checkpointing + hf_offload + tiling at `--ladder-length` tokens per rung (tiling before the
+   pieces of issue 24, then attention tiled over heads, the final norm with the loss head, the
+   embeddings' output offloaded, the layer before back after the peak), peak and step time beside
+   the simulator's peak;
 4. the disk tier (`--stages disk`, docs/tiers.md): the machine's disk through the tier against dd
    with direct I/O; the pool's exact-size pinned memory (registered) against torch's pinned
    allocator (is it pinned, does it copy as fast, how much torch's allocator rounds); whether
@@ -42,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from hf_offload.tools.bench import MaxSeq, build_model, max_seq, max_seq_table, predict_max_seq
+from hf_offload.tools.bench import MaxSeq, _probe, build_model, max_seq, max_seq_table, predict_max_seq
 from hf_offload.tools.benchmarks.gpu_check import package_versions
 from hf_offload.tools.devices import DEVICES
 from hf_offload.tools.fidelity import simulator_for
@@ -64,7 +69,16 @@ TILING_MODES = (
     "checkpointing+hf_offload+tiled",
 )
 TILING_TIME_LIMITS = (1.10, 1.05)  # tiled / untiled step time, at the first and the second length
-STAGES = ("peaks", "tiling", "tests", "disk")
+STAGES = ("peaks", "tiling", "ladder", "tests", "disk")
+# The longest-context recipe piece by piece (docs/longest_context.md): each rung turns one more on.
+LADDER = (
+    ("tiling, before the pieces below", dict(heads=False, final_norm=False, embeddings=False, late_prefetch=False)),
+    ("+ attention tiled over heads", dict(heads=True, final_norm=False, embeddings=False, late_prefetch=False)),
+    ("+ the final norm with the loss head", dict(heads=True, final_norm=True, embeddings=False, late_prefetch=False)),
+    ("+ the embeddings' output offloaded", dict(heads=True, final_norm=True, embeddings=True, late_prefetch=False)),
+    ("+ the layer before back after the peak", dict(heads=True, final_norm=True, embeddings=True, late_prefetch=True)),
+)
+LADDER_MODE = "checkpointing+hf_offload+tiled"
 DISK_TIME_LIMIT = 1.05  # step time with most layer inputs on disk / all in host memory
 EIGHTY_GB = int(DEVICES["h100-80gb"].memory_gib * 2**30)  # what an 80 GB GPU leaves usable (estimate's preset)
 
@@ -191,6 +205,30 @@ def tiling_table(results: list[MaxSeq], *, untiled: str, tiled: str, limits=TILI
             f"<= {limit:.2f}x | {verdict} |"
         )
     return "\n".join(lines)
+
+
+def ladder_stage(model, device: torch.device, length: int, simulator) -> None:
+    """One step of checkpointing + hf_offload + tiling at `length` tokens per rung of LADDER: the
+    measured peak and step time beside the simulator's peak for the same pieces."""
+    from hf_offload.internal import longest_context_pieces
+
+    print("| rung | peak GiB | simulated GiB | measured / simulated | step s |")
+    print("|---|---|---|---|---|")
+    for name, pieces in LADDER:
+        with longest_context_pieces(**pieces):
+            record = _probe(model, LADDER_MODE, length, 1, 1, device)
+            simulated = simulator.run(LADDER_MODE, length).peak_bytes if simulator is not None else None
+        peak = record.peak_device_bytes
+        ratio = f"{peak / simulated:.4f}" if peak and simulated else "-"
+        print(
+            f"| {name} | {_gib(peak)} | {_gib(simulated)} | {ratio} | "
+            f"{record.step_seconds:.2f} |" if record.step_seconds else f"| {name} | {record.status} | | | |",
+            flush=True,
+        )
+
+
+def _gib(nbytes: int | None) -> str:
+    return "-" if nbytes is None else f"{nbytes / 2**30:.3f}"
 
 
 def run_tests(device: torch.device) -> int:
@@ -342,8 +380,9 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--tiling-lengths", type=int, nargs=2, default=None, help="the tiling stage's two lengths (32768 131072)"
     )
-    parser.add_argument("--stages", nargs="+", choices=STAGES, default=list(STAGES), help="default: all four")
+    parser.add_argument("--stages", nargs="+", choices=STAGES, default=list(STAGES), help="default: all")
     parser.add_argument("--disk-length", type=int, default=None, help="the disk stage's length (65536)")
+    parser.add_argument("--ladder-length", type=int, default=None, help="the ladder stage's length (131072)")
     parser.add_argument("--disk-dir", default=None, help="where the disk stage writes (default: the temp dir)")
     parser.add_argument("--skip-tests", action="store_true", help="the same as leaving 'tests' out of --stages")
     parser.add_argument("--cpu-smoke", action="store_true", help="run every stage on the CPU (tiny model)")
@@ -395,6 +434,11 @@ def main(argv=None) -> int:
         print(simulated_table(results, simulator, budgets=budgets, granularity=args.granularity))
         print(f"\ntiling's cost in step time ({TILING_MODES[1]} against {TILING_MODES[0]}):")
         print(tiling_table(results, untiled=TILING_MODES[0], tiled=TILING_MODES[1]))
+    if "ladder" in stages:
+        length = args.ladder_length or (512 if args.cpu_smoke else 131072)
+        print(f"\n== 3b. the longest-context recipe piece by piece, at {length} tokens "
+              f"({time.perf_counter() - started:.0f} s in) ==", flush=True)  # fmt: skip
+        ladder_stage(model, device, length, simulator)
     status = 0
     if "disk" in stages:
         length = args.disk_length or (256 if args.cpu_smoke else 65536)
