@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import itertools
-import json
 import os
 import sys
 import traceback
@@ -31,6 +29,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from conftest import batch, enable_sim, tiny_model  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
+from workers import write_results_and_tear_down  # noqa: E402
 
 import hf_offload  # noqa: E402
 from hf_offload.engine.offloader import DeviceContext  # noqa: E402
@@ -618,7 +617,6 @@ def main() -> None:
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
-    rank = dist.get_rank()
     results: dict[str, dict] = {}
     for name in args.scenarios.split(","):
         WATCH.__init__()
@@ -629,17 +627,7 @@ def main() -> None:
         results[name]["watch"] = WATCH.result()
         dist.barrier()
 
-    gathered: list[dict] = [None] * dist.get_world_size()  # type: ignore[list-item]
-    dist.all_gather_object(gathered, {"rank": rank, "results": results})
-    if rank == 0:
-        with open(args.out, "w") as handle:
-            json.dump({"world_size": dist.get_world_size(), "ranks": gathered}, handle, indent=1)
-    # Tear down together, after what the scenarios left (FSDP and DDP state hold the process
-    # group and its pending work) is gone: otherwise a rank sometimes aborts at exit ("terminate
-    # called without an active exception").
-    gc.collect()
-    dist.barrier()
-    dist.destroy_process_group()
+    write_results_and_tear_down(args.out, results)
 
 
 if __name__ == "__main__":

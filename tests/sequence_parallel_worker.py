@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import json
 import os
 import sys
@@ -29,6 +28,7 @@ import torch.distributed as dist  # noqa: E402
 from conftest import VOCAB, enable_sim, tiny_model  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: E402
+from workers import write_results_and_tear_down  # noqa: E402
 
 import hf_offload  # noqa: E402
 from hf_offload.integrations import sequence_parallel as sp  # noqa: E402
@@ -653,14 +653,7 @@ def main() -> None:
         dist.barrier()
         results[name]["seconds"] = round(time.perf_counter() - started, 2)
 
-    gathered: list[dict] = [None] * dist.get_world_size()  # type: ignore[list-item]
-    dist.all_gather_object(gathered, {"rank": dist.get_rank(), "results": results})
-    if dist.get_rank() == 0:
-        with open(args.out, "w") as handle:
-            json.dump({"world_size": dist.get_world_size(), "ranks": gathered}, handle, indent=1)
-    gc.collect()
-    dist.barrier()
-    dist.destroy_process_group()
+    write_results_and_tear_down(args.out, results)
 
 
 if __name__ == "__main__":

@@ -47,11 +47,9 @@ def torchrun(script: Path, *args: str, timeout: int = TIMEOUT, env: dict | None 
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, list[dict]]:
-    """{scenario: [rank 0's result, rank 1's result]}"""
-    out = tmp_path_factory.mktemp("distributed") / "results.json"
-    result = torchrun(TESTS / "distributed_worker.py", "--out", str(out))
+def launch(script: str, out: Path, *args: str, env: dict | None = None) -> dict[str, list[dict]]:
+    """Run a worker script under torchrun; what it wrote: {scenario: [rank 0's result, rank 1's]}."""
+    result = torchrun(TESTS / script, "--out", str(out), *args, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     data = json.loads(out.read_text())
     assert data["world_size"] == NPROC
@@ -60,6 +58,12 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
         for name, scenario in rank["results"].items():
             by_scenario.setdefault(name, []).append(scenario)
     return by_scenario
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, list[dict]]:
+    """{scenario: [rank 0's result, rank 1's result]}"""
+    return launch("distributed_worker.py", tmp_path_factory.mktemp("distributed") / "results.json")
 
 
 def assert_parity_and_engaged(ranks: list[dict]) -> None:
@@ -192,11 +196,7 @@ def zero3(tmp_path_factory) -> list[dict]:
     without oneCCL). deepspeed is not a test dependency: skipped where it is not installed."""
     pytest.importorskip("deepspeed")
     out = tmp_path_factory.mktemp("zero3") / "results.json"
-    env = {"DS_ACCELERATOR": "cpu"}
-    result = torchrun(TESTS / "distributed_worker.py", "--out", str(out), "--scenarios", "zero3,zero3_tiling", env=env)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    ranks = sorted(json.loads(out.read_text())["ranks"], key=lambda r: r["rank"])
-    return {name: [rank["results"][name] for rank in ranks] for name in ("zero3", "zero3_tiling")}
+    return launch("distributed_worker.py", out, "--scenarios", "zero3,zero3_tiling", env={"DS_ACCELERATOR": "cpu"})
 
 
 def test_deepspeed_zero3_parity(zero3):

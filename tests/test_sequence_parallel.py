@@ -10,12 +10,11 @@ reduces in float32). The bad-input checks that need no process group run here, i
 
 from __future__ import annotations
 
-import json
 import sys
 
 import pytest
 from conftest import tiny_model
-from test_distributed import NPROC, TESTS, torchrun
+from test_distributed import NPROC, launch
 
 from hf_offload.integrations import sequence_parallel as sp
 
@@ -30,15 +29,7 @@ LOSS = 1e-6
 def runs(tmp_path_factory) -> dict[str, list[dict]]:
     pytest.importorskip("deepspeed")
     out = tmp_path_factory.mktemp("sequence_parallel") / "results.json"
-    result = torchrun(TESTS / "sequence_parallel_worker.py", "--out", str(out), env={"DS_ACCELERATOR": "cpu"})
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    data = json.loads(out.read_text())
-    assert data["world_size"] == NPROC
-    by_scenario: dict[str, list[dict]] = {}
-    for rank in sorted(data["ranks"], key=lambda r: r["rank"]):
-        for name, scenario in rank["results"].items():
-            by_scenario.setdefault(name, []).append(scenario)
-    return by_scenario
+    return launch("sequence_parallel_worker.py", out, env={"DS_ACCELERATOR": "cpu"})
 
 
 def assert_matches_one_process(ranks: list[dict], grad_tolerance: float) -> None:
