@@ -625,3 +625,58 @@ def test_the_final_norm_runs_slice_by_slice_with_the_loss_head(monkeypatch):
     assert "model.norm.weight" in actual[1]
     assert widths == [SEQ] + [TILE] * (2 * SEQ // TILE)  # the model's call, then each slice in forward and backward
     assert not whole_gradients
+
+
+def _held_after_the_step(model) -> list[str]:
+    """What of the final norm's whole input and of its gradient is still alive after a step and
+    the output dropped, with the garbage collector off: what only a reference cycle keeps (on a
+    GPU, memory held until the collector happens to run)."""
+    import gc
+    import weakref
+
+    norm, seen = model.model.norm, {}
+
+    def record(module, args):
+        hidden = args[0]
+        if hidden.shape[1] == SEQ and "input" not in seen:
+            seen["input"] = weakref.ref(hidden)
+            hidden.register_hook(lambda grad: seen.update(gradient=weakref.ref(grad)))
+
+    handle = norm.register_forward_pre_hook(record)
+    gc.collect()
+    gc.disable()
+    try:
+        output = model(input_ids=ids(), labels=ids())
+        output.loss.backward()
+        del output
+        return [name for name, reference in seen.items() if reference() is not None]
+    finally:
+        gc.enable()
+        handle.remove()
+
+
+def test_the_tiled_loss_head_holds_the_hidden_states_in_no_reference_cycle():
+    """The loss head's slices run inside one driven call of each stage: nothing of that leaves a
+    reference cycle behind, so the final norm's whole input and its gradient are freed as soon as
+    nothing uses them, not whenever Python's garbage collector next runs (the simulator, which
+    counts frees as they happen, saw its peaks move with the collector's timing)."""
+    model = build("llama")
+    hf_offload.enable_sequence_tiling(model, tile_tokens=TILE)
+    assert _held_after_the_step(model) == []
+
+
+def test_the_reference_cycle_check_catches_a_cycle_holding_the_hidden_states(monkeypatch):
+    """Companion: a driven call that leaves its hidden states in a reference cycle (as a recursive
+    closure does) is caught."""
+    model = build("llama")
+    hf_offload.enable_sequence_tiling(model, tile_tokens=TILE)
+    original = loss_tiling._Source.inside_a_call
+
+    def leaving_a_cycle(self, work, hidden=None):
+        result = original(self, work, hidden)
+        cycle = [hidden if hidden is not None else self.hidden, result]
+        cycle.append(cycle)
+        return result
+
+    monkeypatch.setattr(loss_tiling._Source, "inside_a_call", leaving_a_cycle)
+    assert _held_after_the_step(model) == ["input", "gradient"]

@@ -231,29 +231,8 @@ class _Source:
         """`work()`, run inside one call of each stage's module, given the whole hidden states
         (`hidden`, or the source's own)."""
         hidden = self.hidden if hidden is None else hidden
-        done = []
-
-        def call(index: int):
-            if index == len(self.stages):
-                done.append(work())
-                return
-            module = self.stages[index].module
-
-            def driving(*args, **kwargs):
-                call(index + 1)
-                return DeferredLogits(self.like, self)  # for the module's output hooks: holds nothing
-
-            previous = module.__dict__.get("forward")
-            module.forward = driving
-            try:
-                module(hidden)
-            finally:
-                if previous is None:
-                    module.__dict__.pop("forward", None)
-                else:
-                    module.forward = previous
-
-        call(0)
+        done: list = []
+        _drive(self, 0, work, hidden, done)
         return done[0]
 
     def logits(self, ops: tuple) -> torch.Tensor:
@@ -269,6 +248,31 @@ class _Source:
             f"hf_offload: {self.slot.model_name} applies {name} to its logits, which the tiled loss cannot do one "
             "slice of tokens at a time; its loss runs untiled",
         )
+
+
+def _drive(source: _Source, index: int, work, hidden: torch.Tensor, done: list) -> None:
+    """Stage `index`'s module called on `hidden`, its forward standing in for the call by the next
+    stage's drive; past the last stage, `work()` into `done`. A module-level function, not a
+    recursive closure: that is a reference cycle, which keeps `hidden`, `work` and what it returned
+    (in backward, the whole sequence's gradient) alive until the garbage collector runs."""
+    if index == len(source.stages):
+        done.append(work())
+        return
+    module = source.stages[index].module
+
+    def driving(*args, **kwargs):
+        _drive(source, index + 1, work, hidden, done)
+        return DeferredLogits(source.like, source)  # for the module's output hooks: holds nothing
+
+    previous = module.__dict__.get("forward")
+    module.forward = driving
+    try:
+        module(hidden)
+    finally:
+        if previous is None:
+            module.__dict__.pop("forward", None)
+        else:
+            module.forward = previous
 
 
 def _end_of_head_call(module: nn.Module, args, output) -> None:
