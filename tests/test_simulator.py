@@ -521,7 +521,7 @@ def test_replayed_slices_give_the_full_simulation(case):
     every call does."""
     fast, full, learnt = fast_and_full(case)
     autocast = "autocast" in case  # its cache of casts outlives a call: calls under it run for real
-    assert learnt.replays > 0
+    assert (learnt.replays > 0) != autocast  # the loss head's backward slices recompute under autocast too
     assert (learnt.real_calls > 0) == (case.startswith("qwen2_moe") or autocast)
     assert fast.peak_bytes == full.peak_bytes
     assert fast.peak.live_by_tag == full.peak.live_by_tag
