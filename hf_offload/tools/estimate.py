@@ -436,8 +436,8 @@ def _parallel_lines(entry: ModeEstimate, request: Request) -> list[str]:
     if step.sp_size > 1:
         lines.append(
             f"  sequence parallel: this rank's {step.rank_seq_len} tokens of {step.seq_len}; its all-to-alls send "
-            f"{size(step.sp_sent_bytes)} (and receive as much), {entry.sp_seconds:.2f} s at {device.peer_gbps:g} GB/s "
-            "per direction, in the step time"
+            f"{size(step.sp_sent_bytes)} (and receive as much), {entry.sp_seconds * 1e3:.1f} ms at "
+            f"{device.peer_gbps:g} GB/s per direction, in the step time"
         )
     if step.params_host_bytes is not None:
         link = (request.link_gbps or device.link_gbps) * 1e9
