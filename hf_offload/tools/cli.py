@@ -246,6 +246,16 @@ def _add_estimate_command(commands: argparse._SubParsersAction) -> None:
         default=None,
         help="fraction of the matmul rate the step's matmuls reach (default 1.0, fitted on the H200)",
     )
+    estimate.add_argument(
+        "--sp", type=_int_at_least(1, "sp"), default=1, metavar="N",
+        help="sequence parallelism over N ranks (DeepSpeed Ulysses): one rank's step, on seq / N tokens, attention "
+        "over the whole sequence with heads / N (default 1: none)",
+    )  # fmt: skip
+    estimate.add_argument(
+        "--offload-params", action="store_true",
+        help="weights, gradients and optimizer state on the host, as DeepSpeed ZeRO-3 with offload_param and "
+        "offload_optimizer to the CPU: on the device only the layers in use, gathered",
+    )  # fmt: skip
     estimate.add_argument("--json", action="store_true", help="print a JSON object instead of text")
     estimate.set_defaults(run=_run_estimate, command_parser=estimate)
 
@@ -309,6 +319,8 @@ def _run_estimate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     memory_gib = args.device_memory or (device.memory_gib if args.device else None)
     memory = None if memory_gib is None else int(memory_gib * 2**30)
     targets = args.lora_targets if args.lora_targets == "all-linear" else tuple(args.lora_targets.split(","))
+    if args.sp > 1 and args.padded:
+        parser.error("argument --sp: a padded batch under sequence parallelism is not simulated (drop --padded)")
     training = Training(
         dtype=getattr(torch, DTYPES[args.dtype]),
         lora_rank=args.lora_rank,
@@ -325,6 +337,8 @@ def _run_estimate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         tile_tokens=args.tile_tokens,
         autocast=None if args.autocast is None else getattr(torch, DTYPES[args.autocast]),
         padded=args.padded,
+        sp_size=args.sp,
+        offload_params=args.offload_params,
     )
     request = Request(
         config=config,

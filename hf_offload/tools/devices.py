@@ -30,6 +30,13 @@ class Device:
     # float32 adapters run there.
     fp32_tflops: float = 0.0
     compute_capability: tuple[int, int] = (9, 0)  # what SDPA's kernel choice depends on
+    # GPU to GPU within a node (NVLink), GB/s per direction: what sequence parallelism's all-to-alls
+    # run at; 0: none, they go through the host link.
+    peer_link_gbps: float = 0.0
+
+    @property
+    def peer_gbps(self) -> float:
+        return self.peer_link_gbps or self.link_gbps
 
     @property
     def workspace_bytes(self) -> int:
@@ -56,6 +63,10 @@ DATASHEET_COMPUTE_DERATING = 0.80
 DATASHEET_LINK_DERATING = 0.86
 RESERVED_GIB = 1.4
 HOPPER_CUBLAS_WORKSPACE = 32 * MIB
+# NVLink per GPU and direction (SXM parts, datasheet: 900 and 600 GB/s both ways together), derated
+# as the host link is (not measured: our H200 is alone): sequence parallelism's all-to-alls.
+NVLINK4_GBPS = round(450 * DATASHEET_LINK_DERATING, 1)
+NVLINK3_GBPS = round(300 * DATASHEET_LINK_DERATING, 1)
 
 
 def _from_datasheet(name: str, tflops: float, fp32_tflops: float, link_gbps: float, memory_mib: int,
@@ -89,6 +100,7 @@ def _h200() -> Device:
         cublas_workspace_bytes=HOPPER_CUBLAS_WORKSPACE,
         fp32_tflops=round(67 * DATASHEET_COMPUTE_DERATING, 1),
         compute_capability=(9, 0),
+        peer_link_gbps=NVLINK4_GBPS,
     )
 
 
@@ -96,16 +108,18 @@ DEVICES = {
     "h200": _h200(),
     "h100-80gb": _from_datasheet(
         "h100-80gb", 989.4, 66.9, 64, 81559, 3.35, (9, 0),
-        "H100 SXM 80GB: 989 TFLOP/s bf16 dense, 67 float32, PCIe gen 5 x16, 81559 MiB",
-        cublas_workspace_bytes=HOPPER_CUBLAS_WORKSPACE,
+        "H100 SXM 80GB: 989 TFLOP/s bf16 dense, 67 float32, PCIe gen 5 x16, 81559 MiB, NVLink 4",
+        cublas_workspace_bytes=HOPPER_CUBLAS_WORKSPACE, peer_link_gbps=NVLINK4_GBPS,
     ),
     "a100-80gb": _from_datasheet(
         "a100-80gb", 312, 19.5, 32, 81920, 2.04, (8, 0),
-        "A100 80GB: 312 TFLOP/s bf16 dense, 19.5 float32, PCIe gen 4 x16, 81920 MiB",
+        "A100 80GB: 312 TFLOP/s bf16 dense, 19.5 float32, PCIe gen 4 x16, 81920 MiB, NVLink 3",
+        peer_link_gbps=NVLINK3_GBPS,
     ),
     "a100-40gb": _from_datasheet(
         "a100-40gb", 312, 19.5, 32, 40960, 1.56, (8, 0),
-        "A100 40GB: 312 TFLOP/s bf16 dense, 19.5 float32, PCIe gen 4 x16, 40960 MiB",
+        "A100 40GB: 312 TFLOP/s bf16 dense, 19.5 float32, PCIe gen 4 x16, 40960 MiB, NVLink 3",
+        peer_link_gbps=NVLINK3_GBPS,
     ),
     "l40s": _from_datasheet(
         "l40s", 362, 91.6, 32, 46068, 0.864, (8, 9),

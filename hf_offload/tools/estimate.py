@@ -59,6 +59,7 @@ class ModeEstimate:
     step_seconds: float
     longest: LongestSequence | None = None
     bytes_per_token: float | None = None  # the peak's slope between the search's two lengths
+    sp_seconds: float = 0.0  # Ulysses's all-to-alls, in step_seconds (they wait on each other)
 
 
 @dataclass
@@ -81,6 +82,10 @@ class Estimate:
                 "flops": step.flops,
                 "step_seconds": entry.step_seconds,
                 "seq_len": step.seq_len,
+                "sp_sent_bytes": step.sp_sent_bytes,
+                "sp_seconds": entry.sp_seconds,
+                "params_host_bytes": step.params_host_bytes,
+                "params_gathered_bytes": step.params_gathered_bytes,
                 "peak": {
                     "op": step.peak.op,
                     "phase": step.peak.tag[0] if step.peak.tag else "",
@@ -126,6 +131,8 @@ class Estimate:
                 "tile_tokens": training.tile_tokens,
                 "autocast": None if training.autocast is None else str(training.autocast).removeprefix("torch."),
                 "padded": training.padded,
+                "sp_size": training.sp_size,
+                "offload_params": training.offload_params,
                 "simulated": True,
             },
             "modes": modes,
@@ -195,9 +202,11 @@ def _estimate_mode(simulator: Simulator, request: Request, mode: str) -> ModeEst
     seconds = step_seconds(
         training.device, step.compute, step.traffic_bytes, tflops=request.tflops, efficiency=request.efficiency
     )
+    # Each all-to-all stands between a layer's projections and its attention: nothing to hide behind.
+    sp_seconds = step.sp_sent_bytes / (training.device.peer_gbps * 1e9)
     for result in results.values():
         result.trace = None  # the per-op lines are only for the search
-    return ModeEstimate(mode, step, seconds, longest, slope)
+    return ModeEstimate(mode, step, seconds + sp_seconds, longest, slope, sp_seconds)
 
 
 # -- text ------------------------------------------------------------------------------------------
@@ -302,6 +311,7 @@ def format_estimate(estimate: Estimate, *, device_given: bool) -> str:
         copies = _copy_line(entry, request)
         if copies:
             lines.append(copies)
+        lines.extend(_parallel_lines(entry, request))
     if request.memory_bytes is not None:
         lines.append("")
         lines.extend(_longest_lines(estimate))
@@ -327,6 +337,10 @@ def _setup_line(request: Request) -> str:
     if training.autocast is not None:
         dtype = f"{dtype} weights under {str(training.autocast).removeprefix('torch.')} autocast"
     padded = ", padded" if training.padded else ""
+    if training.sp_size > 1:
+        padded += f", one rank of {training.sp_size} under Ulysses sequence parallelism"
+    if training.offload_params:
+        padded += ", weights and optimizer on the host (ZeRO-3 offload)"
     return (
         f"{request.name}: {tuning}, {dtype}, batch {training.batch_size} x {request.seq_len} tokens{padded}, "
         f"{optimizer}, {host}{tiles}; simulated on the meta device (the real step, without data: transformers, PEFT, "
@@ -414,6 +428,27 @@ def _copy_line(entry: ModeEstimate, request: Request) -> str | None:
         f"{link / 1e9:g} GB/s, against {forward * 1e3:.1f} ms of the layer's forward and {backward * 1e3:.1f} ms of "
         f"its backward: copies hide behind compute: {hides}"
     )
+
+
+def _parallel_lines(entry: ModeEstimate, request: Request) -> list[str]:
+    step, device = entry.step, request.training.device
+    lines = []
+    if step.sp_size > 1:
+        lines.append(
+            f"  sequence parallel: this rank's {step.rank_seq_len} tokens of {step.seq_len}; its all-to-alls send "
+            f"{size(step.sp_sent_bytes)} (and receive as much), {entry.sp_seconds * 1e3:.1f} ms at "
+            f"{device.peer_gbps:g} GB/s per direction, in the step time"
+        )
+    if step.params_host_bytes is not None:
+        link = (request.link_gbps or device.link_gbps) * 1e9
+        gathered = step.params_gathered_bytes
+        lines.append(
+            "  parameters offloaded (ZeRO-3, offload_param and offload_optimizer to the CPU): "
+            f"{size(step.params_host_bytes)} on the host (weights, float32 gradients, master weights and AdamW "
+            f"states); the device gathered {size(gathered)} of weights, {gathered / link:.2f} s at {link / 1e9:g} "
+            "GB/s, not in the step time (prefetched behind compute), nor the host's optimizer step"
+        )
+    return lines
 
 
 def _longest_lines(estimate: Estimate) -> list[str]:

@@ -280,3 +280,102 @@ def simulated_liger_loss() -> Iterator[None]:
         yield
     finally:
         liger_functional.LigerFusedLinearCrossEntropyFunction = original
+
+
+# -- sequence parallelism (DeepSpeed Ulysses) -------------------------------------------------------
+
+
+class UlyssesTraffic:
+    """What one rank sends through the SP group's all-to-alls in a step (it receives as much)."""
+
+    def __init__(self, sp_size: int) -> None:
+        self.sp_size = sp_size
+        self.sent_bytes = 0
+        self.calls = 0
+
+    def send(self, buffer: torch.Tensor) -> None:
+        # Of each all-to-all buffer, the share addressed to this rank itself never leaves it.
+        self.sent_bytes += buffer.numel() * buffer.element_size() * (self.sp_size - 1) // self.sp_size
+        self.calls += 1
+
+
+class _AllToAll(torch.autograd.Function):
+    """DeepSpeed's all-to-all over dimension 0 (`_dim_zero_all_to_all`) on meta tensors: the
+    received buffer is a fresh one of the sent one's shape, and its backward is the same exchange
+    in reverse, so both directions allocate and are counted as traffic."""
+
+    @staticmethod
+    def forward(ctx, buffer: torch.Tensor, traffic: UlyssesTraffic) -> torch.Tensor:
+        ctx.traffic = traffic
+        traffic.send(buffer)
+        return torch.empty_like(buffer)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.traffic.send(grad)
+        return torch.empty_like(grad), None
+
+
+def _ulysses_attention(core, sp_size: int, traffic: UlyssesTraffic):
+    """The attention function as DeepSpeed's `UlyssesSPAttentionHF` runs it around `core`, for
+    meta tensors: the same reshapes and copies, in the same order, so the buffers it holds are
+    counted; the collectives are `_AllToAll`. The shard's (batch, heads, seq / sp, head_dim)
+    query, key and value become (batch, heads / sp, seq, head_dim) for `core`, and its output goes
+    back to the shard's tokens with every head."""
+
+    def attention(module, query, key, value, attention_mask, *args, **kwargs):
+        if not query.is_meta:
+            raise RuntimeError("the simulated Ulysses attention exchanges nothing: meta tensors only")
+        batch, heads, local, head_dim = query.shape
+        kv_heads = key.shape[1]
+        # Fewer key/value heads than ranks: DeepSpeed repeats them so that each rank gets one.
+        replication = max(sp_size // kv_heads, 1)
+
+        def gather(tensor, local_heads, repeats):
+            tensor = tensor.permute(2, 0, 1, 3)  # (seq / sp, batch, heads, head_dim)
+            if repeats > 1:
+                tensor = tensor.repeat_interleave(repeats, dim=2)
+            tensor = tensor.reshape(local, batch, sp_size, local_heads, head_dim)
+            tensor = tensor.permute(2, 0, 1, 3, 4).contiguous()
+            received = _AllToAll.apply(tensor, traffic)
+            received = received.reshape(sp_size * local, batch, local_heads, head_dim).contiguous()
+            return received.permute(1, 2, 0, 3).contiguous()  # (batch, heads / sp, seq, head_dim)
+
+        query = gather(query, heads // sp_size, 1)
+        key = gather(key, kv_heads * replication // sp_size, replication)
+        value = gather(value, kv_heads * replication // sp_size, replication)
+        groups = getattr(module, "num_key_value_groups", None)
+        if groups is not None:
+            module.num_key_value_groups = query.shape[1] // key.shape[1]
+        try:
+            context, weights = core(module, query, key, value, attention_mask, *args, **kwargs)
+        finally:
+            if groups is not None:
+                module.num_key_value_groups = groups
+        # (batch, seq, heads / sp, head_dim) back to (batch, seq / sp, heads x head_dim)
+        context = context.permute(1, 0, 2, 3).reshape(sp_size * local, batch, -1)
+        context = context.reshape(sp_size, local, batch, context.shape[-1]).contiguous()
+        received = _AllToAll.apply(context, traffic)
+        output = received.permute(1, 2, 0, 3).reshape(local, batch, -1).contiguous()
+        output = output.permute(1, 0, 2).reshape(batch, local, -1)
+        return output, weights
+
+    attention._hf_offload_ulysses_of = core
+    return attention
+
+
+@contextlib.contextmanager
+def simulated_ulysses(implementation: str, sp_size: int, traffic: UlyssesTraffic) -> Iterator[None]:
+    """Transformers' attention function `implementation` wrapped as Ulysses wraps it, for one rank
+    of `sp_size` (the model runs on the rank's seq / sp_size tokens). Entered after tiling's
+    wrappers, so attention tiled over heads runs inside, on the gathered sequence, as it would on
+    a GPU."""
+    from transformers.modeling_utils import AttentionInterface
+
+    mapping = AttentionInterface._global_mapping
+    core = mapping[implementation]
+    mapping[implementation] = _ulysses_attention(core, sp_size, traffic)
+    try:
+        yield
+    finally:
+        mapping[implementation] = core

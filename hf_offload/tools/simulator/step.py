@@ -19,7 +19,7 @@ import contextlib
 import gc
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -31,7 +31,14 @@ from hf_offload.tools.devices import DEVICES, Device
 from hf_offload.tools.modes import Mode, parse_mode, set_checkpointing, set_liger_flce
 
 from .memo import SliceMemo
-from .stand_ins import attention_as_on_cuda, autocast_as_on_cuda, real_device_masking, simulated_liger_loss
+from .stand_ins import (
+    UlyssesTraffic,
+    attention_as_on_cuda,
+    autocast_as_on_cuda,
+    real_device_masking,
+    simulated_liger_loss,
+    simulated_ulysses,
+)
 from .tracker import MemoryTracker, Peak
 
 # Modes whose offloading is not hf_offload's: they need pinned memory or an accelerator.
@@ -66,6 +73,12 @@ class Training:
     # A batch padded to its longest sequence: an attention mask that masks positions, as a collator
     # makes; the kernels then take a sequence x sequence mask. (Every row is as long as seq_len.)
     padded: bool = False
+    # DeepSpeed Ulysses over this many ranks: the step simulated is one rank's, on seq / sp_size
+    # tokens, with attention over the whole sequence and heads / sp_size heads.
+    sp_size: int = 1
+    # Weights, gradients and optimizer state on the host, as DeepSpeed ZeRO-3 with offload_param and
+    # offload_optimizer to the CPU keeps them (`ParameterOffload` below).
+    offload_params: bool = False
 
     def __post_init__(self) -> None:
         if self.optimizer_states not in (0, 2):
@@ -76,6 +89,12 @@ class Training:
             raise ValueError(f"autocast must be torch.bfloat16, torch.float16 or None, got {self.autocast}")
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if isinstance(self.sp_size, bool) or not isinstance(self.sp_size, int) or self.sp_size < 1:
+            raise ValueError(f"sp_size must be an int >= 1, got {self.sp_size!r}")
+        if self.sp_size > 1 and self.padded:
+            # Under Ulysses each rank's mask covers its shard only; what DeepSpeed does with a
+            # padding mask is not simulated.
+            raise ValueError("a padded batch under sequence parallelism is not simulated: drop padded or sp_size")
 
 
 @dataclass
@@ -106,6 +125,10 @@ class StepResult:
     # predict where per-op lines cannot (a tiled step runs more ops at longer lengths).
     tag_peaks: dict[tuple, int] = field(default_factory=dict, repr=False)
     seconds: float = 0.0  # how long the simulation took
+    sp_size: int = 1  # seq_len is the whole sequence's; the rank simulated ran seq_len / sp_size tokens
+    sp_sent_bytes: int = 0  # what the rank sent through Ulysses's all-to-alls (and received as much)
+    params_gathered_bytes: int = 0  # with offload_params: the weights brought from the host
+    params_host_bytes: int | None = None  # with offload_params: weights, gradients, optimizer on the host
 
     @property
     def peak_bytes(self) -> int:
@@ -120,6 +143,10 @@ class StepResult:
     def tokens(self) -> int:
         return self.seq_len * self.batch_size
 
+    @property
+    def rank_seq_len(self) -> int:
+        return -(-self.seq_len // self.sp_size)
+
 
 @dataclass
 class _Attribution:
@@ -132,24 +159,31 @@ class _Attribution:
     hooked: set[int]
     phase: str = "forward"
     stack: list[tuple] = field(default_factory=list)
+    # Told each tag set (parameter offload follows the module running from it).
+    listener: Callable[[tuple], None] | None = None
+
+    def _set(self, tag: tuple) -> None:
+        self.tracker.tag = tag
+        if self.listener is not None:
+            self.listener(tag)
 
     def enter_phase(self, phase: str, where: str) -> None:
         self.phase = phase
         self.stack.clear()
-        self.tracker.tag = (phase, where)
+        self._set((phase, where))
 
     def pre(self, module, args) -> None:
         label = self.labels.get(id(module))
         if label is not None:
             self.stack.append(self.tracker.tag)
-            self.tracker.tag = ("recompute" if self.phase == "backward" else self.phase, label)
+            self._set(("recompute" if self.phase == "backward" else self.phase, label))
 
     def post(self, module, args, output) -> None:
         key = id(module)
         if key not in self.labels:
             return
         if self.stack:
-            self.tracker.tag = self.stack.pop()
+            self._set(self.stack.pop())
         if self.phase == "forward" and key in self.hooked:
             tensor = _first_grad_tensor(output)
             if tensor is not None:
@@ -158,7 +192,7 @@ class _Attribution:
 
     def _backward_reached(self, label: str) -> None:
         self.stack.clear()
-        self.tracker.tag = ("backward", label)
+        self._set(("backward", label))
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
@@ -232,6 +266,93 @@ class _TrackedStreams(MetaStreams):
             self.tracker.tag = tag
 
 
+class ParameterOffload:
+    """The device's share of the weights under DeepSpeed ZeRO-3 with `offload_param` and
+    `offload_optimizer` on the CPU: the weights live partitioned on the host, and a unit's are
+    gathered whole on the device while it runs. Units: the input embeddings, each decoder layer,
+    and the rest (final norm, loss head). Assumed, of ZeRO-3's defaults: the unit running and the
+    next in the pass's order are gathered (its prefetch reads ahead through
+    `stage3_prefetch_bucket_size`, 5e7 elements by default, 100 MB in bf16: a whole next layer
+    overstates it for a large model and is the simple bound); a unit's gradients stay on the device
+    until the pass leaves it (ZeRO reduces and moves them in buckets), then go to the host, where
+    the optimizer steps. Parameters are marked as host memory in the tracker, so that views of them
+    cost nothing; the gathered copies are one counted block per unit."""
+
+    TAG = ("weights", "gathered")
+
+    def __init__(self, model: torch.nn.Module, base: torch.nn.Module, tracker: MemoryTracker) -> None:
+        self.tracker = tracker
+        _adapter, layers = resolve_layers(base)
+        embeddings = base.get_input_embeddings()
+        in_layers = [{id(p): p for p in layer.parameters()} for layer in layers]
+        first = {id(p): p for p in embeddings.parameters()} if embeddings is not None else {}
+        taken = set(first).union(*in_layers)
+        rest = {id(p): p for p in model.parameters() if id(p) not in taken}
+        head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+        if isinstance(head, torch.nn.Module):  # tied to the embeddings: gathered for the loss head too
+            rest.update((id(p), p) for p in head.parameters())
+        self.units = [list(first.values()), *(list(u.values()) for u in in_layers), list(rest.values())]
+        self.unit_bytes = [sum(p.numel() * p.element_size() for p in unit) for unit in self.units]
+        self.layers = len(layers)
+        self.gathered: dict[int, torch.Tensor] = {}
+        self.current: tuple[int, int] | None = None  # (unit, direction)
+        self.gathered_bytes = 0  # what the step brought from the host: weights, every gather
+
+    def unit_of(self, label: str) -> int | None:
+        match = _LAYER.match(label)
+        if match:
+            return int(match.group(1)) + 1
+        if label == "embed_tokens":
+            return 0
+        if label in ("norm", "lm_head", "loss"):
+            return self.layers + 1
+        return None
+
+    def follow(self, tag: tuple) -> None:
+        """The module running changed: keep its unit and the next gathered, free the others, and
+        send the gradients of the units left behind to the host."""
+        phase = tag[0]
+        if phase == "optimizer":
+            self.release()
+            return
+        unit = self.unit_of(tag[1]) if len(tag) > 1 else None
+        if unit is None:
+            return
+        direction = 1 if phase == "forward" else -1
+        if self.current == (unit, direction):
+            return
+        self.current = (unit, direction)
+        wanted = {unit, unit + direction} & set(range(len(self.units)))
+        for other in list(self.gathered):
+            if other not in wanted:
+                del self.gathered[other]
+        for index, parameters in enumerate(self.units):
+            if index != unit:
+                for parameter in parameters:
+                    parameter.grad = None
+        for index in sorted(wanted - set(self.gathered)):
+            nbytes = self.unit_bytes[index]
+            self.gathered[index] = self.tracker.allocate((nbytes,), (1,), torch.uint8, self.TAG)
+            self.gathered_bytes += nbytes
+
+    def release(self) -> None:
+        self.gathered.clear()
+        self.current = None
+        for unit in self.units:
+            for parameter in unit:
+                parameter.grad = None
+
+    def host_bytes(self, optimizer_states: int) -> int:
+        """What the host holds for the weights: the bf16 (the model's dtype) partitions, and for each
+        trainable parameter its float32 gradient, master copy and AdamW's two float32 states
+        (DeepSpeed's CPU offload keeps the optimizer's side in float32)."""
+        unique = {id(p): p for unit in self.units for p in unit}.values()
+        total = sum(p.numel() * p.element_size() for p in unique)
+        trainable = sum(p.numel() for p in unique if p.requires_grad)
+        per_trainable = 4 + (4 + 4 * optimizer_states if optimizer_states else 0)
+        return total + trainable * per_trainable
+
+
 class Simulator:
     """A model built once on the meta device, then stepped in any mode at any length.
 
@@ -244,6 +365,11 @@ class Simulator:
 
         self.config = config
         self.training = training
+        if training.sp_size > 1:
+            from hf_offload.integrations.sequence_parallel import check_sequence_parallel
+
+            check_sequence_parallel(config, training.sp_size, world_size=training.sp_size)
+        self.traffic = UlyssesTraffic(training.sp_size)
         self.replay = replay
         self.memo: SliceMemo | None = None  # the last tiled run's, for its counts
         self.tracker = MemoryTracker()
@@ -260,13 +386,17 @@ class Simulator:
         model.train()
         self.model = model
         self.base = unwrap_model(model)
-        for tensor in [*model.parameters(), *model.buffers()]:
-            self.tracker.adopt(tensor)
+        with self.tracker.host_allocations() if training.offload_params else contextlib.nullcontext():
+            for parameter in model.parameters():
+                self.tracker.adopt(parameter)
+        for buffer in model.buffers():
+            self.tracker.adopt(buffer)
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         for parameter in self.trainable:
             parameter.register_post_accumulate_grad_hook(lambda p: self.tracker.retag(p.grad, ("gradients", "")))
         self.optimizer = None
-        if training.optimizer_states:
+        self.param_offload = ParameterOffload(model, self.base, self.tracker) if training.offload_params else None
+        if training.optimizer_states and not training.offload_params:  # offloaded, the optimizer steps on the host
             self._create_optimizer_state()
         self.labels, self.hooked = _module_labels(self.base)
         self.resident_bytes = self.tracker.live  # weights and optimizer state
@@ -348,6 +478,10 @@ class Simulator:
             stack.enter_context(attention_as_on_cuda(training.device.compute_capability))
             if training.autocast is not None:
                 stack.enter_context(autocast_as_on_cuda(tracker.in_the_step))
+            if training.sp_size > 1:
+                # After tiling's wrappers: Ulysses gathers the sequence, then attention tiled over heads runs.
+                implementation = base.config._attn_implementation or "sdpa"
+                stack.enter_context(simulated_ulysses(implementation, training.sp_size, self.traffic))
             yield
 
     def _memo_modules(self) -> list[torch.nn.Module]:
@@ -362,10 +496,17 @@ class Simulator:
     def _step(self, mode: Mode, seq_len: int, *, trace: bool) -> StepResult:
         tracker, training = self.tracker, self.training
         attribution = _Attribution(tracker, self.labels, self.hooked)
+        offload = self.param_offload
+        if offload is not None:
+            attribution.listener = offload.follow
+            offload.gathered_bytes = 0
+        self.traffic.sent_bytes = self.traffic.calls = 0
         with tracker, attribution.installed():
             tracker.start(trace=trace)
             attribution.enter_phase("forward", "inputs")
-            ids = torch.zeros((training.batch_size, seq_len), dtype=torch.long, device="meta")
+            # One rank's shard of the sequence (Ulysses pads the last to the same length).
+            rank_tokens = -(-seq_len // training.sp_size)
+            ids = torch.zeros((training.batch_size, rank_tokens), dtype=torch.long, device="meta")
             inputs = dict(input_ids=ids, labels=ids)
             if training.padded:
                 inputs["attention_mask"] = torch.ones_like(ids)
@@ -381,6 +522,8 @@ class Simulator:
                 attribution.enter_phase("optimizer", "")
                 self.optimizer.step()
             self.model.zero_grad(set_to_none=True)
+            if offload is not None:
+                offload.release()
             peak = tracker.finish()
         gc.collect()
         result = StepResult(
@@ -397,7 +540,12 @@ class Simulator:
             compute=dict(tracker.compute),
             trace=tracker.trace,
             tag_peaks=dict(tracker.main.tag_peaks),
+            sp_size=training.sp_size,
+            sp_sent_bytes=self.traffic.sent_bytes,
         )
+        if offload is not None:
+            result.params_gathered_bytes = offload.gathered_bytes
+            result.params_host_bytes = offload.host_bytes(training.optimizer_states)
         if mode.hf_offload:
             stats = hf_offload.activation_offloading_stats(self.base)
             result.host_bytes = stats.pool_bytes
