@@ -114,3 +114,24 @@ def test_gpu_long_context_ladder_stage_runs_on_the_cpu(capsys):
         assert float(cells[4]) > 0  # the step ran
     first, last = gpu_long_context.LADDER[0][0], gpu_long_context.LADDER[-1][0]
     assert 0 < rows[last] <= rows[first]
+
+
+def test_ladder_script_runs_end_to_end(tmp_path):
+    """The simulated ladder behind docs/longest_context.md, on a tiny model with small budgets:
+    one row per rung, in order, each with its peaks, both budgets' longest sequences and a step
+    time; the table and the JSON written."""
+    import json
+
+    from hf_offload.tools.benchmarks import ladder
+
+    argv = ["--preset", "tiny", "--lengths", "256", "512", "1024", "--memory-gib", "0.12", "0.14",
+            "--out", str(tmp_path)]  # fmt: skip
+    assert ladder.main(argv) == 0
+    rows = json.loads((tmp_path / "ladder.json").read_text())
+    assert [row["rung"] for row in rows] == [name for name, _pieces in ladder.LADDER]
+    for row in rows:
+        small, large = (row["longest"][budget] for budget in ladder.BUDGETS)
+        assert 0 < small < large
+        assert row["step_seconds_at_long"] > 0
+    table = (tmp_path / "ladder.md").read_text()
+    assert all(f"| {row['rung']} |" in table for row in rows)
