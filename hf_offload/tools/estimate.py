@@ -505,7 +505,7 @@ def _tiers_needed(step: StepResult, request: Request) -> str:
     timing = found[1] if found else None
     text = f"host {size(plan.host_bytes)} + disk {size(plan.disk_bytes)}"
     if timing is not None:
-        text += f", the disk's time {'hidden' if timing.hidden else f'not hidden (~{timing.exposed_seconds:.1f} s)'}"
+        text += f", the disk's time {'hidden' if timing.hidden else f'not hidden (~{timing.exposed_seconds:.3g} s)'}"
     if not plan.fits:
         text += ", more than host and disk hold"
     return text
