@@ -9,6 +9,8 @@ from collections.abc import Iterator
 from . import api
 from .adapters import resolve_layers, unwrap_model
 from .auto_budget import device_memory, predicted_step_bytes, simulated_device
+from .engine.offloader import STAGING_LAYERS
+from .engine.planner import TierPlan, place_tiers
 from .engine.planner import plan as plan_device_budget
 from .engine.streams import MetaStreams, device_streams, empty_host_cache
 from .integrations.liger import fused_linear_cross_entropy_in_use
@@ -37,14 +39,41 @@ def longest_context_pieces(
         attention.SPLITTABLE, loss.CHAIN_FINAL_NORM, api.DETOUR_EMBEDDINGS_OUTPUT, offloader.LATE_PREFETCH_BYTES = saved
 
 
+def place_last_pass(model, *, host_bytes: int, disk_bytes: int) -> tuple[TierPlan, list[int], int]:
+    """Where the disk tier's planner puts the copies of `model`'s last forward pass for these host
+    and disk budgets: `place_tiers` with the engine's staging, on the bytes that pass's layer calls
+    took, as the engine plans its next pass. Also those bytes (one entry per layer call) and how many
+    leading layer calls were offloaded."""
+    controller = unwrap_model(model).__dict__.get(api.MODEL_STATE_ATTR)
+    if controller is None:
+        raise RuntimeError("activation offloading is not enabled on this model")
+    layer_bytes, offloaded = controller.engine.pass_host_bytes()
+    plan = place_layers(layer_bytes, offloaded, host_bytes=host_bytes, disk_bytes=disk_bytes)
+    return plan, layer_bytes, offloaded
+
+
+def place_layers(layer_bytes, offloaded_layers: int, *, host_bytes: int, disk_bytes: int) -> TierPlan:
+    """`place_tiers` as the engine calls it (its staging), for layers of the given host bytes."""
+    return place_tiers(
+        layer_bytes,
+        offloaded_layers=offloaded_layers,
+        host_bytes=host_bytes,
+        disk_bytes=disk_bytes,
+        staging_layers=STAGING_LAYERS,
+    )
+
+
 __all__ = [
     "MetaStreams",
+    "TierPlan",
     "active_collector",
     "device_memory",
     "device_streams",
     "empty_host_cache",
     "fused_linear_cross_entropy_in_use",
     "longest_context_pieces",
+    "place_last_pass",
+    "place_layers",
     "plan_device_budget",
     "predicted_step_bytes",
     "resolve_layers",

@@ -569,6 +569,15 @@ class ActivationOffloader:
     def device_context(self, device: str | torch.device) -> DeviceContext | None:
         return self._devices.get(torch.device(device))
 
+    def pass_host_bytes(self) -> tuple[list[int], int]:
+        """The forward pass just run, as the next pass's tier plan reads it: the host bytes each
+        layer call's copies took or asked for (pooled sizes, wherever they went), and how many
+        leading layer calls were offloaded. The memory simulator places a step with them for a
+        host and a disk it does not have (`place_tiers`, `STAGING_LAYERS`)."""
+        with self._lock:
+            offloaded = sum(1 for _own, restored, _offloadable in self._pass_layers if restored is not None)
+            return list(self._pass_host_bytes), offloaded
+
     def stats(self) -> OffloadStats:
         step, life = self.step, self.lifetime
         pools = [context.pool for context in self._devices.values()]

@@ -225,6 +225,22 @@ def _add_estimate_command(commands: argparse._SubParsersAction) -> None:
         "(default: unlimited; the output says what is needed)",
     )
     estimate.add_argument(
+        "--disk-memory",
+        type=_positive_float("disk-memory"),
+        default=None,
+        metavar="GIB",
+        help="free disk space in GiB for hf_offload's disk tier (enable_activation_offloading(disk_dir=...) takes "
+        "80%% of it): where each layer's inputs live, the host and disk they need, and whether the disk hides "
+        "(needs --host-memory; default: no disk tier)",
+    )
+    estimate.add_argument(
+        "--disk-gbps",
+        type=_positive_float("disk-gbps"),
+        default=None,
+        metavar="N",
+        help="the disk tier's GB/s each way (default 2: one NVMe drive's low end; needs --disk-memory)",
+    )
+    estimate.add_argument(
         "--max-device-gib",
         type=_positive_float("max-device-gib"),
         default=None,
@@ -295,6 +311,13 @@ def _run_estimate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         return 0
     if args.efficiency is not None and args.efficiency > 1:
         parser.error(f"argument --efficiency: must be a fraction in (0, 1], got {args.efficiency}")
+    if args.disk_memory is not None and args.host_memory is None:
+        parser.error(
+            f"argument --disk-memory: {args.disk_memory:g} GiB of disk needs --host-memory GIB (with unlimited host "
+            "memory nothing goes to disk)"
+        )
+    if args.disk_gbps is not None and args.disk_memory is None:
+        parser.error(f"argument --disk-gbps: {args.disk_gbps:g} GB/s needs --disk-memory GIB (no disk tier without it)")
     modes = _estimate_modes(args)
     for mode in modes:
         base = parse_mode(mode).base
@@ -331,6 +354,7 @@ def _run_estimate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         keep_last_layers=args.keep_last_layers,
         prefetch_layers=args.prefetch_layers,
         host_memory_bytes=None if args.host_memory is None else int(args.host_memory * 2**30),
+        disk_memory_bytes=None if args.disk_memory is None else int(args.disk_memory * 2**30),
         device=device,
         device_memory_bytes=memory,
         device_budget_bytes=None if args.max_device_gib is None else int(args.max_device_gib * 2**30),
@@ -351,6 +375,7 @@ def _run_estimate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         tflops=args.tflops,
         link_gbps=args.link_gbps,
         efficiency=args.efficiency,
+        disk_gbps=args.disk_gbps,
     )
     # transformers and the engine speak up about what the simulation does on purpose (checkpointing
     # turns the cache off, the CPU has no accelerator); the estimate reports what matters.

@@ -5,7 +5,10 @@ For each mode: the peak of allocated device bytes (what `torch.cuda.max_memory_a
 reports) and where it falls (the op, the module, what is live by origin); the host bytes
 hf_offload's pool needs and the bytes it moves per step; the FLOPs; a step time from the device's
 rates; per offloaded layer, whether its copies hide behind its compute; and with a device memory,
-the longest sequence that fits, by bisection.
+the longest sequence that fits, by bisection. With a disk tier (`Training.disk_memory_bytes`):
+where each layer's offloaded inputs live, the host and disk bytes they need, and whether the
+disk's time hides behind compute (`simulator.tiers`); the longest sequence then also needs host
+memory and disk to hold the step.
 """
 
 from __future__ import annotations
@@ -28,6 +31,15 @@ from hf_offload.tools.devices import (
 from hf_offload.tools.modes import parse_mode
 from hf_offload.tools.simulator import Simulator, StepResult, Training, composition
 from hf_offload.tools.simulator.search import LONGEST, LongestSequence, longest_sequence, search_lengths
+from hf_offload.tools.simulator.tiers import (
+    DEFAULT_DISK_GBPS,
+    DiskTime,
+    describe_places,
+    disk_time,
+    layer_places,
+    longest_stored,
+    stored,
+)
 
 GIB = 2**30
 BASE_MODES = ("none", "hf_offload", "checkpointing", "checkpointing+hf_offload")
@@ -50,6 +62,11 @@ class Request:
     tflops: float | None = None
     link_gbps: float | None = None
     efficiency: float | None = None
+    disk_gbps: float | None = None  # the disk tier's rate (None: DEFAULT_DISK_GBPS)
+
+    @property
+    def disk_rate(self) -> float:
+        return DEFAULT_DISK_GBPS if self.disk_gbps is None else self.disk_gbps
 
 
 @dataclass
@@ -97,6 +114,7 @@ class Estimate:
                     ],
                     "workspace_bytes": step.workspace_bytes,
                 },
+                "tiers": tiers_json(step, request),
             }
             model_type = getattr(request.config.get_text_config(), "model_type", "llama")
             item["recipe"] = recipe(entry.mode, model_type, request.training.tile_tokens)
@@ -110,6 +128,7 @@ class Estimate:
                     "host_bytes": longest.at_max.host_bytes if longest.at_max else None,
                     "bytes_per_token": entry.bytes_per_token,
                     "reached_limit": longest.reached_limit,
+                    "tiers": tiers_json(longest.at_max, request) if longest.at_max else None,
                     "probes": [
                         {"seq_len": p.seq_len, "peak_bytes": p.peak_bytes, "fits": p.fits} for p in longest.probes
                     ],
@@ -128,6 +147,8 @@ class Estimate:
                 "optimizer_states": training.optimizer_states,
                 "device": training.device.name,
                 "host_memory_bytes": training.host_memory_bytes,
+                "disk_memory_bytes": training.disk_memory_bytes,
+                "disk_gbps": request.disk_rate if training.disk_memory_bytes is not None else None,
                 "tile_tokens": training.tile_tokens,
                 "autocast": None if training.autocast is None else str(training.autocast).removeprefix("torch."),
                 "padded": training.padded,
@@ -188,6 +209,20 @@ def _estimate_mode(simulator: Simulator, request: Request, mode: str) -> ModeEst
     longest = slope = None
     if request.memory_bytes is not None:
         lengths = search_lengths(request.config, training, mode, request.seq_len)
+        tiered = {}
+        if training.disk_memory_bytes is not None and parse_mode(mode).hf_offload:
+
+            def storable(short: StepResult, long_: StepResult) -> int | None:
+                return longest_stored(
+                    short,
+                    long_,
+                    host_bytes=training.host_budget_bytes,
+                    disk_bytes=training.disk_budget_bytes,
+                    granularity=request.granularity,
+                    limit=LONGEST,
+                )
+
+            tiered = {"stored": stored, "storable": storable}
         longest = longest_sequence(
             run,
             mode=mode,
@@ -195,6 +230,7 @@ def _estimate_mode(simulator: Simulator, request: Request, mode: str) -> ModeEst
             workspace_bytes=training.device.workspace_bytes,
             granularity=request.granularity,
             lengths=lengths,
+            **tiered,
         )
         short, long_ = results[lengths[0]], results[lengths[1]]
         slope = (long_.peak_bytes - short.peak_bytes) / (long_.tokens - short.tokens)
@@ -207,6 +243,47 @@ def _estimate_mode(simulator: Simulator, request: Request, mode: str) -> ModeEst
     for result in results.values():
         result.trace = None  # the per-op lines are only for the search
     return ModeEstimate(mode, step, seconds + sp_seconds, longest, slope, sp_seconds)
+
+
+def tier_estimate(step: StepResult, request: Request) -> tuple[list[str], DiskTime | None] | None:
+    """Where each layer call's offloaded inputs live, and the disk's time model; None without a
+    disk tier (or hf_offload)."""
+    if step.tiers is None or step.layer_host_bytes is None:
+        return None
+    places = layer_places(step.tiers, step.offloaded_layers or 0, len(step.layer_host_bytes))
+    device = request.training.device
+    timing = disk_time(step, request.disk_rate, lambda phases: _layer_seconds(step, phases, device, request))
+    return places, timing
+
+
+def tiers_json(step: StepResult, request: Request) -> dict | None:
+    found = tier_estimate(step, request)
+    if found is None:
+        return None
+    places, timing = found
+    plan = step.tiers
+    disk = None
+    if timing is not None:
+        disk = {
+            "gbps": timing.gbps,
+            "layer_bytes": timing.layer_bytes,
+            "write_seconds": timing.write_seconds,
+            "read_seconds": timing.read_seconds,
+            "layer_forward_seconds": timing.forward_seconds,
+            "layer_backward_seconds": timing.backward_seconds,
+            "hidden": timing.hidden,
+            "exposed_seconds": timing.exposed_seconds,
+        }
+    return {
+        "layers": places,
+        "disk_layers": plan.disk_layers,
+        "host_bytes": plan.host_bytes,
+        "staging_bytes": plan.staging_bytes,
+        "disk_bytes": plan.disk_bytes,
+        "fits": plan.fits,
+        "host_short": plan.host_short,
+        "disk": disk,
+    }
 
 
 # -- text ------------------------------------------------------------------------------------------
@@ -266,6 +343,8 @@ def _headline_lines(estimate: Estimate) -> list[str]:
         at = longest.at_max
         value = f">= {LONGEST:,}" if longest.reached_limit else f"{longest.max_seq_len:,}"
         host = f", host {size(at.host_bytes)}" if at.host_bytes else ""
+        if at.tiers is not None:
+            host = f", {_tiers_needed(at, request)}"
         lines.append(f"  {entry.mode:<34}{value:>12} tokens  (peak {size(at.peak_bytes)}{host})")
     best = longest_mode(estimate)
     if best is not None:
@@ -312,6 +391,7 @@ def format_estimate(estimate: Estimate, *, device_given: bool) -> str:
         if copies:
             lines.append(copies)
         lines.extend(_parallel_lines(entry, request))
+        lines.extend(_tier_lines(entry.step, request))
     if request.memory_bytes is not None:
         lines.append("")
         lines.extend(_longest_lines(estimate))
@@ -333,6 +413,8 @@ def _setup_line(request: Request) -> str:
     optimizer = "AdamW step" if training.optimizer_states else "no optimizer step (forward and backward)"
     host_bytes = training.host_memory_bytes
     host = "unlimited host memory" if host_bytes is None else f"{size(host_bytes)} of host memory"
+    if training.disk_memory_bytes is not None:
+        host += f" and {size(training.disk_memory_bytes)} of disk at {request.disk_rate:g} GB/s"
     tiles = "" if training.tile_tokens is None else f", {training.tile_tokens} tokens per tiled slice"
     if training.autocast is not None:
         dtype = f"{dtype} weights under {str(training.autocast).removeprefix('torch.')} autocast"
@@ -451,6 +533,46 @@ def _parallel_lines(entry: ModeEstimate, request: Request) -> list[str]:
     return lines
 
 
+def _tiers_needed(step: StepResult, request: Request) -> str:
+    """What a step with a disk tier needs: "host 96.00 GiB + disk 168.00 GiB, the disk's time hidden"."""
+    plan = step.tiers
+    found = tier_estimate(step, request)
+    timing = found[1] if found else None
+    text = f"host {size(plan.host_bytes)} + disk {size(plan.disk_bytes)}"
+    if timing is not None:
+        text += f", the disk's time {'hidden' if timing.hidden else f'not hidden (~{timing.exposed_seconds:.3g} s)'}"
+    if not plan.fits:
+        text += ", more than host and disk hold"
+    return text
+
+
+def _tier_lines(step: StepResult, request: Request) -> list[str]:
+    found = tier_estimate(step, request)
+    if found is None:
+        return []
+    places, timing = found
+    plan, training = step.tiers, request.training
+    if plan.host_short:
+        verdict = "does not fit: the staging buffers alone exceed the host budget"
+    elif not plan.fits:
+        verdict = "does not fit: the disk budget is short"
+    else:
+        verdict = "fits"
+    lines = [
+        f"  host memory and disk (hf_offload's budgets: {size(training.host_budget_bytes)} of host memory, "
+        f"{size(training.disk_budget_bytes)} of disk): {describe_places(places)}; needs host "
+        f"{size(plan.host_bytes)} ({size(plan.staging_bytes)} of it staging), disk {size(plan.disk_bytes)}: {verdict}"
+    ]
+    if timing is not None:
+        hides = "yes" if timing.hidden else f"no (about {timing.exposed_seconds:.3g} s added to the step)"
+        lines.append(
+            f"  per disk layer: {size(timing.layer_bytes)}, {timing.write_seconds:.2f} s to write and as long to "
+            f"read at {timing.gbps:g} GB/s, against {timing.forward_seconds:.2f} s of a layer's forward and "
+            f"{timing.backward_seconds:.2f} s of its backward: the disk's time hides behind compute: {hides}"
+        )
+    return lines
+
+
 def _longest_lines(estimate: Estimate) -> list[str]:
     request = estimate.request
     memory = request.memory_bytes
@@ -466,10 +588,17 @@ def _longest_lines(estimate: Estimate) -> list[str]:
         if longest.reached_limit:
             value = f">={LONGEST}"
         per_token = "-" if entry.bytes_per_token is None else f"{entry.bytes_per_token / 1e6:.3f}"
+        # With a disk tier the step was simulated with every layer offloaded: the host holds what
+        # the tiers' plan leaves it, not all of that.
+        host_there = None if at is None else at.tiers.host_bytes if at.tiers is not None else at.host_bytes
         lines.append(
             f"{entry.mode:<32}{value:>9}{per_token:>10}{gib(at.peak_bytes if at else None):>16}"
-            f"{gib(at.host_bytes if at else None):>16}{len(longest.probes):>6}"
+            f"{gib(host_there):>16}{len(longest.probes):>6}"
         )
+    for entry in estimate.modes:
+        at = entry.longest.at_max
+        if at is not None and at.tiers is not None:
+            lines.append(f"  {entry.mode} at {at.seq_len:,} tokens: {_tiers_needed(at, request)}")
     host = request.training.host_memory_bytes
     if host is None:
         needs = [e for e in estimate.modes if e.longest.at_max and e.longest.at_max.host_bytes]
@@ -500,6 +629,12 @@ def _assumption_lines(request: Request, *, device_given: bool) -> list[str]:
         lines.append(f"  host link: {request.link_gbps:g} GB/s, given with --link-gbps")
     if request.efficiency is not None:
         lines.append(f"  matmul efficiency: {request.efficiency:g}, given with --efficiency")
+    if request.training.disk_memory_bytes is not None:
+        given = "given with --disk-gbps" if request.disk_gbps is not None else "assumed: one NVMe drive's low end"
+        lines.append(
+            f"  disk: {request.disk_rate:g} GB/s each way ({given}); a disk layer's write hides when it takes no "
+            "longer than a layer's forward, its read when no longer than a layer's backward (docs/tiers.md)"
+        )
     return lines
 
 

@@ -95,6 +95,8 @@ def longest_sequence(
     workspace_bytes: int,
     granularity: int = 1024,
     lengths: tuple[int, int] = (8192, 16384),
+    stored: Callable[[StepResult], bool] | None = None,
+    storable: Callable[[StepResult, StepResult], int | None] | None = None,
 ) -> LongestSequence:
     """`run(seq_len, trace)` simulates one step. The answer is a multiple of `granularity` that
     fits, with the next multiple simulated and not fitting (or LONGEST reached).
@@ -103,7 +105,11 @@ def longest_sequence(
     nearest the edge (one that fits and one that does not, once there are both) reaches the
     memory, rounded down to the grid; where the line is exact, as for a step whose peak grows
     linearly, the prediction fits and the next grid point does not: two steps. Where it is not
-    (the lines bend), a step that fails to halve the bracket makes the next one a bisection."""
+    (the lines bend), a step that fails to halve the bracket makes the next one a bisection.
+
+    With host and disk tiers, a step fits when its peak does and `stored(step)` (its offloaded
+    bytes fit host memory and disk); `storable(short, long)` predicts from the first two steps the
+    longest length the tiers hold, and no aim goes past it."""
     if granularity < 1:
         raise ValueError(f"granularity must be >= 1, got {granularity}")
     result = LongestSequence(mode=mode, memory_bytes=memory_bytes, granularity=granularity)
@@ -111,26 +117,27 @@ def longest_sequence(
     grid = granularity
     top = LONGEST // grid * grid
 
+    def ok(step: StepResult) -> bool:
+        return step.peak_bytes <= memory_bytes and (stored is None or stored(step))
+
     def fits(seq_len: int, trace: bool = False) -> bool:
         if seq_len not in results or (trace and results[seq_len].trace is None):
             step = run(seq_len, trace)
             results[seq_len] = step
-            ok = step.peak_bytes <= memory_bytes
-            result.probes.append(Probe(seq_len, step.peak_bytes, ok, step.host_bytes))
-        return results[seq_len].peak_bytes <= memory_bytes
+            result.probes.append(Probe(seq_len, step.peak_bytes, ok(step), step.host_bytes))
+        return ok(results[seq_len])
 
     def bracket() -> tuple[int | None, int | None]:
         """The smallest grid point simulated not to fit, and the largest below it that fits."""
         on_grid = [n for n in results if n % grid == 0]
-        high = min((n for n in on_grid if results[n].peak_bytes > memory_bytes), default=None)
-        low = max((n for n in on_grid if results[n].peak_bytes <= memory_bytes and (high is None or n < high)),
-                  default=None)  # fmt: skip
+        high = min((n for n in on_grid if not ok(results[n])), default=None)
+        low = max((n for n in on_grid if ok(results[n]) and (high is None or n < high)), default=None)
         return low, high
 
     def secant() -> float | None:
         """Where the line through the two steps nearest the edge reaches the memory."""
-        fitting = sorted(n for n in results if results[n].peak_bytes <= memory_bytes)
-        failing = sorted(n for n in results if results[n].peak_bytes > memory_bytes)
+        fitting = sorted(n for n in results if ok(results[n]))
+        failing = sorted(n for n in results if not ok(results[n]))
         if fitting and failing:
             a, b = fitting[-1], failing[0]
         elif len(fitting) >= 2:
@@ -148,6 +155,9 @@ def longest_sequence(
     fits(first, trace=True)
     fits(second, trace=True)
     predicted = predict_longest(results[first], results[second], memory_bytes - workspace_bytes)
+    ceiling = None if storable is None else storable(results[first], results[second])
+    if predicted is not None and ceiling is not None:
+        predicted = min(predicted, ceiling)  # the device's lines know nothing of the tiers' edge
     result.predicted = predicted
     aim: float | None = predicted
     width = None
@@ -161,6 +171,8 @@ def longest_sequence(
         span = None if low is None or high is None else high - low
         if aim is None:
             aim = secant()
+            if aim is not None and ceiling is not None:
+                aim = min(aim, ceiling)
             if span is not None and width is not None and span > width / 2:
                 aim = (low + high) / 2  # the line was off: bisect
         if aim is None:  # flat or unknown: double up, or halve down

@@ -25,8 +25,16 @@ from dataclasses import dataclass, field, replace
 import torch
 
 import hf_offload
-from hf_offload.config import DEFAULT_MIN_OFFLOAD_BYTES, HOST_MEMORY_SHARE
-from hf_offload.internal import MetaStreams, device_streams, resolve_layers, simulated_device, unwrap_model
+from hf_offload.config import DEFAULT_MIN_OFFLOAD_BYTES, DISK_SPACE_SHARE, HOST_MEMORY_SHARE
+from hf_offload.internal import (
+    MetaStreams,
+    TierPlan,
+    device_streams,
+    place_last_pass,
+    resolve_layers,
+    simulated_device,
+    unwrap_model,
+)
 from hf_offload.tools.devices import DEVICES, Device
 from hf_offload.tools.modes import Mode, parse_mode, set_checkpointing, set_liger_flce
 
@@ -63,6 +71,10 @@ class Training:
     prefetch_layers: int = 1
     min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES
     host_memory_bytes: int | None = None  # the simulated host's RAM; None: unlimited
+    # Free space for the disk tier (hf_offload's default max_disk_bytes is 80% of it); None: no disk
+    # tier. With it the step offloads every layer (nothing stays on the device for want of host
+    # memory) and `place_tiers` says where the copies go and whether host and disk hold them.
+    disk_memory_bytes: int | None = None
     device: Device = DEVICES["h200"]
     device_memory_bytes: int | None = None  # what the "_auto" modes read as the device's memory
     device_budget_bytes: int | None = None  # max_device_bytes for the other hf_offload modes (None: no budget)
@@ -95,6 +107,26 @@ class Training:
             # Under Ulysses each rank's mask covers its shard only; what DeepSpeed does with a
             # padding mask is not simulated.
             raise ValueError("a padded batch under sequence parallelism is not simulated: drop padded or sp_size")
+        if self.host_memory_bytes is not None and self.host_memory_bytes <= 0:
+            raise ValueError(f"host_memory_bytes must be > 0 or None, got {self.host_memory_bytes}")
+        if self.disk_memory_bytes is not None:
+            if self.disk_memory_bytes <= 0:
+                raise ValueError(f"disk_memory_bytes must be > 0 or None, got {self.disk_memory_bytes}")
+            if self.host_memory_bytes is None:
+                raise ValueError(
+                    f"disk_memory_bytes={self.disk_memory_bytes} needs host_memory_bytes: with unlimited host "
+                    "memory nothing goes to disk"
+                )
+
+    @property
+    def host_budget_bytes(self) -> int | None:
+        """max_host_bytes as hf_offload's default takes it from this much RAM."""
+        return None if self.host_memory_bytes is None else int(self.host_memory_bytes * HOST_MEMORY_SHARE)
+
+    @property
+    def disk_budget_bytes(self) -> int | None:
+        """max_disk_bytes as hf_offload's default takes it from this much free space."""
+        return None if self.disk_memory_bytes is None else int(self.disk_memory_bytes * DISK_SPACE_SHARE)
 
 
 @dataclass
@@ -120,6 +152,11 @@ class StepResult:
     compute: dict[tuple[str, torch.dtype], float] = field(default_factory=dict, repr=False)
     layer_offloaded_bytes: int | None = None  # the most hf_offload moved for one layer
     offload_stats: dict | None = field(default=None, repr=False)  # hf_offload's statistics of the step
+    # With a disk tier: where `place_tiers` puts the copies of this step for the host and disk
+    # budgets, from the host bytes of each layer call and how many leading calls were offloaded.
+    tiers: TierPlan | None = None
+    layer_host_bytes: list[int] | None = field(default=None, repr=False)
+    offloaded_layers: int | None = None
     trace: list[int] | None = field(default=None, repr=False)
     # The most bytes live while each (phase, module) was current: lines through two lengths by tag
     # predict where per-op lines cannot (a tiled step runs more ops at longer lengths).
@@ -462,14 +499,16 @@ class Simulator:
                     if device_memory is None:
                         raise ValueError(f"mode {mode.name!r} reads the device's memory: give the device memory")
                     stack.enter_context(simulated_device(read_device))
-                host = training.host_memory_bytes
+                # With a disk tier the host budget holds what the disk does not: the step offloads
+                # everything, and `place_tiers` judges the two tiers after it.
+                host = None if training.disk_memory_bytes is not None else training.host_budget_bytes
                 hf_offload.enable_activation_offloading(
                     base,
                     simulate_on_cpu=True,
                     keep_last_layers=training.keep_last_layers,
                     prefetch_layers=training.prefetch_layers,
                     min_offload_bytes=training.min_offload_bytes,
-                    max_host_bytes=2**62 if host is None else int(host * HOST_MEMORY_SHARE),
+                    max_host_bytes=2**62 if host is None else host,
                     max_device_bytes="auto" if mode.budget else training.device_budget_bytes,
                 )
                 stack.callback(hf_offload.disable_activation_offloading, base)
@@ -554,6 +593,10 @@ class Simulator:
             result.layers_kept_for_budget = stats.layers_kept_for_budget
             result.layer_offloaded_bytes = stats.max_layer_offloaded_bytes
             result.offload_stats = stats.as_dict()
+            if training.disk_memory_bytes is not None:
+                result.tiers, result.layer_host_bytes, result.offloaded_layers = place_last_pass(
+                    self.base, host_bytes=training.host_budget_bytes, disk_bytes=training.disk_budget_bytes
+                )
         leaked = tracker.live - self.resident_bytes
         if leaked:
             raise RuntimeError(f"the simulated step left {leaked} bytes allocated after it (a reference kept?)")
