@@ -49,6 +49,8 @@ import torch
 
 from hf_offload.tools.bench import MaxSeq, _probe, build_model, max_seq, max_seq_table, predict_max_seq
 from hf_offload.tools.benchmarks.gpu_check import package_versions
+from hf_offload.tools.benchmarks.ladder import LADDER
+from hf_offload.tools.benchmarks.ladder import MODE as LADDER_MODE
 from hf_offload.tools.devices import DEVICES
 from hf_offload.tools.fidelity import simulator_for
 from hf_offload.tools.simulator.search import predict_longest
@@ -71,14 +73,6 @@ TILING_MODES = (
 TILING_TIME_LIMITS = (1.10, 1.05)  # tiled / untiled step time, at the first and the second length
 STAGES = ("peaks", "tiling", "ladder", "tests", "disk")
 # The longest-context recipe piece by piece (docs/longest_context.md): each rung turns one more on.
-LADDER = (
-    ("tiling, before the pieces below", dict(heads=False, final_norm=False, embeddings=False, late_prefetch=False)),
-    ("+ attention tiled over heads", dict(heads=True, final_norm=False, embeddings=False, late_prefetch=False)),
-    ("+ the final norm with the loss head", dict(heads=True, final_norm=True, embeddings=False, late_prefetch=False)),
-    ("+ the embeddings' output offloaded", dict(heads=True, final_norm=True, embeddings=True, late_prefetch=False)),
-    ("+ the layer before back after the peak", dict(heads=True, final_norm=True, embeddings=True, late_prefetch=True)),
-)
-LADDER_MODE = "checkpointing+hf_offload+tiled"
 DISK_TIME_LIMIT = 1.05  # step time with most layer inputs on disk / all in host memory
 EIGHTY_GB = int(DEVICES["h100-80gb"].memory_gib * 2**30)  # what an 80 GB GPU leaves usable (estimate's preset)
 
@@ -221,8 +215,9 @@ def ladder_stage(model, device: torch.device, length: int, simulator) -> None:
         peak = record.peak_device_bytes
         ratio = f"{peak / simulated:.4f}" if peak and simulated else "-"
         print(
-            f"| {name} | {_gib(peak)} | {_gib(simulated)} | {ratio} | "
-            f"{record.step_seconds:.2f} |" if record.step_seconds else f"| {name} | {record.status} | | | |",
+            f"| {name} | {_gib(peak)} | {_gib(simulated)} | {ratio} | {record.step_seconds:.2f} |"
+            if record.step_seconds
+            else f"| {name} | {record.status} | | | |",
             flush=True,
         )
 
