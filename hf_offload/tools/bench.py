@@ -378,7 +378,7 @@ class MaxSeq:
     fixed_bytes: float | None = None
     predicted_max_seq_len: int | None = None
     # hf_offload modes: the bytes it moved to the host, per token and at the predicted length (its
-    # pinned pool holds at least that much, up to twice: buffers are rounded up to a power of two).
+    # pinned pool holds at least that much and at most 1.1x: buffers are sized to what they hold).
     offloaded_bytes_per_token: float | None = None
     predicted_offloaded_bytes: float | None = None
     verify: Record | None = None  # the one step at the predicted length, when asked for
@@ -902,7 +902,7 @@ def run_max_seq(args, model, title: str, device: torch.device, memory_limit: int
         if ram and r.predicted_offloaded_bytes and r.predicted_offloaded_bytes > ram / 2:
             notes.append(
                 f"{r.mode}: at the predicted length hf_offload moves {r.predicted_offloaded_bytes / 2**30:.2f} GiB to "
-                f"pinned host memory (its pool rounds buffers up to a power of two, so up to twice that), against "
+                f"pinned host memory (its pool up to 1.1x that), against "
                 f"{ram / 2**30:.2f} GiB of RAM on this host: host memory may limit it before the device does"
             )
     table = max_seq_table(results, device=device)
