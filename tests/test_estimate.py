@@ -85,6 +85,34 @@ def test_longest_sequence_fits_and_the_next_grid_step_does_not(model_dir, capsys
     assert modes["checkpointing+hf_offload"]["max_seq_len"] >= modes["checkpointing"]["max_seq_len"]
 
 
+def test_a_search_run_two_steps_at_a_time_finds_what_one_at_a_time_does(model_dir):
+    """One mode on a machine with two CPUs: the search's foreseeable steps run two at a time, one
+    in a forked process; the answer, every probe and the step reported are those of the search
+    that runs its steps one by one."""
+    import multiprocessing
+
+    import torch
+
+    from hf_offload.tools.presets import load_config
+    from hf_offload.tools.simulator import Simulator, Training
+
+    request = estimate_module.Request(
+        config=load_config(str(model_dir)), name="tiny", training=Training(dtype=torch.float32),
+        modes=["checkpointing"], seq_len=512, memory_bytes=int(0.25 * GIB), granularity=256,
+    )  # fmt: skip
+    found = {}
+    for pair in (None, multiprocessing.get_context("fork")):
+        simulator = Simulator(request.config, request.training)
+        entry = estimate_module._estimate_mode(simulator, request, "checkpointing", pair=pair)
+        found[pair is None] = (
+            entry.longest.max_seq_len,
+            [(p.seq_len, p.peak_bytes, p.fits) for p in sorted(entry.longest.probes, key=lambda p: p.seq_len)],
+            entry.step.peak_bytes,
+        )
+    assert found[True][0] is not None
+    assert found[False] == found[True]
+
+
 def test_tile_simulates_sequence_tiling_with_the_slices_asked_for(model_dir, capsys):
     """--tile adds MODE+tiled; at 2048 tokens of a 4096-word vocabulary the loss head's logits make
     the untiled peak, and slices of 256 tokens leave a lower one; --tile-tokens is in the setup."""

@@ -596,6 +596,24 @@ def test_bisection_confirms_a_right_prediction_with_two_runs():
     assert calls == [1024, 2048, 4096, 5120]
 
 
+def test_the_steps_a_search_foresees_run_together():
+    """Given a way to simulate several lengths at once, the search hands it the two lengths it
+    starts from, then the prediction with the grid point after it: a right prediction ends the
+    search in two rounds of two steps, with the answer of the search that runs them one by one."""
+    run, calls = run_with(lambda n: 1000 + 10 * n)
+    batches = []
+
+    def run_together(tasks):
+        batches.append(tasks)
+        return [run(n, trace) for n, trace in tasks]
+
+    found = longest_sequence(run, mode="m", memory_bytes=1000 + 10 * 5000, workspace_bytes=0, granularity=1024,
+                             lengths=(1024, 2048), run_together=run_together)  # fmt: skip
+    assert found.max_seq_len == 4096 and found.predicted == 5000
+    assert batches == [[(1024, True), (2048, True)], [(4096, False), (5120, False)]]
+    assert calls == [1024, 2048, 4096, 5120]  # nothing simulated twice
+
+
 def test_bisection_finds_the_edge_when_the_lines_bend():
     """Memory jumps at 3000 tokens (a tensor that only then exceeds min_offload_bytes, say): the
     prediction from 1024 and 2048 is too long, and the bisection walks back to the edge."""

@@ -179,8 +179,9 @@ def run_estimate(request: Request, *, echo=print, jobs: int | None = None) -> Es
                     echo(f"  simulated {mode} ({time.perf_counter() - started:.0f} s in)")
     else:
         simulator = Simulator(request.config, request.training)
+        pair = context if cpus > 1 else None  # a search's steps two at a time, in a forked process
         for mode in request.modes:
-            estimate.modes.append(_estimate_mode(simulator, request, mode))
+            estimate.modes.append(_estimate_mode(simulator, request, mode, pair=pair))
             if echo is not None:
                 echo(f"  simulated {mode} ({time.perf_counter() - started:.0f} s in)")
     estimate.seconds = time.perf_counter() - started
@@ -197,7 +198,18 @@ def _simulate_mode(task: tuple[Request, str]) -> ModeEstimate:
     return _estimate_mode(_worker_simulator[0], request, mode)
 
 
-def _estimate_mode(simulator: Simulator, request: Request, mode: str) -> ModeEstimate:
+_forked_run: list = []  # what a forked process of `_estimate_mode`'s pair simulates
+
+
+def _run_forked(task: tuple[int, bool]) -> StepResult:
+    seq_len, trace = task
+    return _forked_run[0](seq_len, trace)
+
+
+def _estimate_mode(simulator: Simulator, request: Request, mode: str, *, pair=None) -> ModeEstimate:
+    """With `pair` (a fork context), the search simulates the steps it can foresee two at a time:
+    one here, one in a forked process (the two lengths it starts from, and the prediction with the
+    grid point after it, which end the search when the prediction holds)."""
     training = request.training
     results: dict[int, StepResult] = {}
 
@@ -205,6 +217,19 @@ def _estimate_mode(simulator: Simulator, request: Request, mode: str) -> ModeEst
         if seq_len not in results or (trace and results[seq_len].trace is None):
             results[seq_len] = simulator.run(mode, seq_len, trace=trace)
         return results[seq_len]
+
+    def run_together(tasks: list[tuple[int, bool]]) -> list[StepResult]:
+        _forked_run[:] = [run]
+        try:
+            with ProcessPoolExecutor(max_workers=len(tasks) - 1, mp_context=pair) as pool:
+                elsewhere = [pool.submit(_run_forked, task) for task in tasks[1:]]
+                here = run(*tasks[0])
+                found = [here] + [future.result() for future in elsewhere]
+        finally:
+            _forked_run.clear()
+        for (seq_len, _trace), step in zip(tasks, found, strict=True):
+            results[seq_len] = step
+        return found
 
     longest = slope = None
     if request.memory_bytes is not None:
@@ -231,6 +256,7 @@ def _estimate_mode(simulator: Simulator, request: Request, mode: str) -> ModeEst
             granularity=request.granularity,
             lengths=lengths,
             **tiered,
+            run_together=None if pair is None else run_together,
         )
         short, long_ = results[lengths[0]], results[lengths[1]]
         slope = (long_.peak_bytes - short.peak_bytes) / (long_.tokens - short.tokens)

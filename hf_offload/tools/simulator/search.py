@@ -97,6 +97,7 @@ def longest_sequence(
     lengths: tuple[int, int] = (8192, 16384),
     stored: Callable[[StepResult], bool] | None = None,
     storable: Callable[[StepResult, StepResult], int | None] | None = None,
+    run_together: Callable[[list[tuple[int, bool]]], list[StepResult]] | None = None,
 ) -> LongestSequence:
     """`run(seq_len, trace)` simulates one step. The answer is a multiple of `granularity` that
     fits, with the next multiple simulated and not fitting (or LONGEST reached).
@@ -109,7 +110,11 @@ def longest_sequence(
 
     With host and disk tiers, a step fits when its peak does and `stored(step)` (its offloaded
     bytes fit host memory and disk); `storable(short, long)` predicts from the first two steps the
-    longest length the tiers hold, and no aim goes past it."""
+    longest length the tiers hold, and no aim goes past it.
+
+    `run_together(tasks)`, where given, simulates several `(seq_len, trace)` at once (in parallel
+    processes): the first two lengths, and the prediction with the grid point after it, the two
+    steps that end the search when the prediction holds."""
     if granularity < 1:
         raise ValueError(f"granularity must be >= 1, got {granularity}")
     result = LongestSequence(mode=mode, memory_bytes=memory_bytes, granularity=granularity)
@@ -120,12 +125,20 @@ def longest_sequence(
     def ok(step: StepResult) -> bool:
         return step.peak_bytes <= memory_bytes and (stored is None or stored(step))
 
+    def record(seq_len: int, step: StepResult) -> None:
+        results[seq_len] = step
+        result.probes.append(Probe(seq_len, step.peak_bytes, ok(step), step.host_bytes))
+
     def fits(seq_len: int, trace: bool = False) -> bool:
         if seq_len not in results or (trace and results[seq_len].trace is None):
-            step = run(seq_len, trace)
-            results[seq_len] = step
-            result.probes.append(Probe(seq_len, step.peak_bytes, ok(step), step.host_bytes))
+            record(seq_len, run(seq_len, trace))
         return ok(results[seq_len])
+
+    def together(tasks: list[tuple[int, bool]]) -> None:
+        todo = [(n, trace) for n, trace in tasks if n not in results or (trace and results[n].trace is None)]
+        if run_together is not None and len(todo) > 1:
+            for (seq_len, _trace), step in zip(todo, run_together(todo), strict=True):
+                record(seq_len, step)
 
     def bracket() -> tuple[int | None, int | None]:
         """The smallest grid point simulated not to fit, and the largest below it that fits."""
@@ -152,6 +165,7 @@ def longest_sequence(
         return a + (memory_bytes - pa) * (b - a) / (pb - pa)
 
     first, second = lengths
+    together([(first, True), (second, True)])
     fits(first, trace=True)
     fits(second, trace=True)
     predicted = predict_longest(results[first], results[second], memory_bytes - workspace_bytes)
@@ -188,6 +202,8 @@ def longest_sequence(
             result.reached_limit = low is not None
             break
         width = span
+        if predicted is not None and len(results) == 2 and candidate + grid < upper and candidate + grid <= top:
+            together([(candidate, False), (candidate + grid, False)])  # the prediction, and the point past it
         fits(candidate)
     low, _high = bracket()
     if low is None:
