@@ -124,8 +124,8 @@ def test_ladder_script_runs_end_to_end(tmp_path):
 
     from hf_offload.tools.benchmarks import ladder
 
-    argv = ["--preset", "tiny", "--lengths", "256", "512", "1024", "--memory-gib", "0.12", "0.14",
-            "--out", str(tmp_path)]  # fmt: skip
+    argv = ["--preset", "tiny", "--lengths", "128", "256", "512", "--memory-gib", "0.085", "0.09",
+            "--granularity", "128", "--out", str(tmp_path)]  # fmt: skip
     assert ladder.main(argv) == 0
     rows = json.loads((tmp_path / "ladder.json").read_text())
     assert [row["rung"] for row in rows] == [name for name, _pieces in ladder.LADDER]

@@ -48,7 +48,7 @@ LENGTHS = (131072, 524288, 1048576)
 def simulate_rung(task: tuple) -> dict:
     from hf_offload.internal import longest_context_pieces
 
-    name, pieces, preset, lengths, budgets = task
+    name, pieces, preset, lengths, budgets, granularity = task
     short, middle, long_ = lengths
     training = Training(lora_rank=16, optimizer_states=2, device=DEVICES["h200"])
     started = time.perf_counter()
@@ -67,6 +67,7 @@ def simulate_rung(task: tuple) -> dict:
                 mode=MODE,
                 memory_bytes=int(gib * GIB),
                 workspace_bytes=training.device.workspace_bytes,
+                granularity=granularity,
                 lengths=(middle, long_),
             ).max_seq_len
             for budget, gib in budgets.items()
@@ -84,7 +85,9 @@ def simulate_rung(task: tuple) -> dict:
         "host_gib_at_long": round(long_step.host_bytes / GIB, 1),
         "longest": longest,
         "mb_per_token": round((steps[long_].peak_bytes - steps[middle].peak_bytes) / (long_ - middle) / 1e6, 4),
-        "step_seconds_at_long": round(step_seconds(training.device, long_step.compute, long_step.traffic_bytes), 1),
+        "step_seconds_at_long": float(
+            f"{step_seconds(training.device, long_step.compute, long_step.traffic_bytes):.4g}"
+        ),
         "simulated_steps": len(steps),
         "seconds": round(time.perf_counter() - started, 1),
     }
@@ -94,7 +97,7 @@ def simulate_rung(task: tuple) -> dict:
 
 def table(rows: list[dict], lengths: tuple[int, int, int]) -> str:
     """The rows as a markdown table (the 80 GB and 141 GB columns are the two budgets searched)."""
-    short, middle, long_ = (f"{n // 1024}k" for n in lengths)
+    short, middle, long_ = (f"{n // 1024}k" if n % 1024 == 0 else str(n) for n in lengths)
     lines = [
         f"| rung | peak at {short}, GiB | peak at {long_}, GiB | MB per token, {middle} to {long_} | "
         f"longest, 80 GB | longest, 141 GB | step s at {long_} (H200) | where the {long_} peak is |",
@@ -105,7 +108,7 @@ def table(rows: list[dict], lengths: tuple[int, int, int]) -> str:
         longest = [f"{row['longest'][b]:,}" if row["longest"][b] else "-" for b in BUDGETS]
         lines.append(
             f"| {row['rung']} | {peaks[0]:.2f} | {peaks[1]:.2f} | {row['mb_per_token']:.3f} | {longest[0]} | "
-            f"{longest[1]} | {row['step_seconds_at_long']:.0f} | {list(row['peak_at'].values())[1]} |"
+            f"{longest[1]} | {row['step_seconds_at_long']:,.4g} | {list(row['peak_at'].values())[1]} |"
         )
     return "\n".join(lines)
 
@@ -118,6 +121,7 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--memory-gib", type=float, nargs=2, default=None, help="the two budgets instead of 80 GB's and 141 GB's"
     )
+    parser.add_argument("--granularity", type=int, default=1024, help="the searches' grid, in tokens")
     parser.add_argument("--jobs", type=int, default=1, help="rungs simulated at once (forked processes)")
     args = parser.parse_args(argv)
     logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -125,7 +129,7 @@ def main(argv=None) -> int:
     warnings.filterwarnings("ignore", category=FutureWarning)
     started = time.perf_counter()
     budgets = BUDGETS if args.memory_gib is None else dict(zip(BUDGETS, args.memory_gib, strict=True))
-    tasks = [(name, pieces, args.preset, tuple(args.lengths), budgets) for name, pieces in LADDER]
+    tasks = [(name, pieces, args.preset, tuple(args.lengths), budgets, args.granularity) for name, pieces in LADDER]
     if args.jobs > 1:
         with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("fork")) as pool:
             rows = list(pool.map(simulate_rung, tasks))
