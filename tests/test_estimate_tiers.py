@@ -4,11 +4,11 @@ layer's offloaded inputs, the longest length host and disk hold, and whether the
 from __future__ import annotations
 
 import json
-import logging
 
 import pytest
 import torch
 from conftest import TINY_CONFIGS, enable_sim, tiny_model
+from test_estimate import estimate_json, restore_logging  # noqa: F401 (restore_logging: an autouse fixture)
 from transformers import AutoConfig
 
 from hf_offload.tools import estimate as estimate_module
@@ -31,17 +31,6 @@ def model_dir(tmp_path):
     return tmp_path
 
 
-@pytest.fixture(autouse=True)
-def restore_logging():
-    levels = {name: logging.getLogger(name).level for name in ("transformers", "hf_offload")}
-    yield
-    for name, level in levels.items():
-        logging.getLogger(name).setLevel(level)
-
-
-def estimate_json(capsys, *args) -> dict:
-    assert main(["estimate", *args, "--json"]) == 0
-    return json.loads(capsys.readouterr().out)
 
 
 @pytest.mark.parametrize("host_layers", [5.5, 6.0])
