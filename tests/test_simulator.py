@@ -614,6 +614,30 @@ def test_the_steps_a_search_foresees_run_together():
     assert calls == [1024, 2048, 4096, 5120]  # nothing simulated twice
 
 
+def test_where_it_bisects_two_steps_at_once_cut_the_bracket_in_three():
+    """Memory that bends past 40,000 tokens (a host budget full, later layers kept on the device):
+    the search bisects, and given two steps at a time it simulates the bracket's two thirds
+    together. The same answer as one step at a time, in fewer rounds."""
+    peak = lambda n: 1000 + 10 * n + 200 * max(0, n - 40000)  # noqa: E731
+    memory = 1000 + 10 * 100_000
+    run, calls = run_with(peak)
+    alone = longest_sequence(run, mode="m", memory_bytes=memory, workspace_bytes=0, lengths=(1024, 2048))
+    run, paired_calls = run_with(peak)
+    batches = []
+
+    def run_together(tasks):
+        batches.append(tasks)
+        return [run(n, trace) for n, trace in tasks]
+
+    paired = longest_sequence(run, mode="m", memory_bytes=memory, workspace_bytes=0, lengths=(1024, 2048),
+                              run_together=run_together)  # fmt: skip
+    assert paired.max_seq_len == alone.max_seq_len == 41984
+    # A bracket's thirds: two steps more than a grid point apart (the prediction's pair is one apart).
+    assert any(not trace and b - a > 1024 for (a, trace), (b, _) in batches)
+    rounds = len(paired_calls) - sum(len(batch) for batch in batches) + len(batches)
+    assert rounds < len(calls)
+
+
 def test_bisection_finds_the_edge_when_the_lines_bend():
     """Memory jumps at 3000 tokens (a tensor that only then exceeds min_offload_bytes, say): the
     prediction from 1024 and 2048 is too long, and the bisection walks back to the edge."""

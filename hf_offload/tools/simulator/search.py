@@ -113,8 +113,9 @@ def longest_sequence(
     longest length the tiers hold, and no aim goes past it.
 
     `run_together(tasks)`, where given, simulates several `(seq_len, trace)` at once (in parallel
-    processes): the first two lengths, and the prediction with the grid point after it, the two
-    steps that end the search when the prediction holds."""
+    processes): the first two lengths, the prediction with the grid point after it (the two steps
+    that end the search when the prediction holds), and where the search bisects, the bracket's
+    two thirds."""
     if granularity < 1:
         raise ValueError(f"granularity must be >= 1, got {granularity}")
     result = LongestSequence(mode=mode, memory_bytes=memory_bytes, granularity=granularity)
@@ -183,14 +184,26 @@ def longest_sequence(
             result.reached_limit = True
             break
         span = None if low is None or high is None else high - low
+        bisecting = False
         if aim is None:
             aim = secant()
             if aim is not None and ceiling is not None:
                 aim = min(aim, ceiling)
             if span is not None and width is not None and span > width / 2:
-                aim = (low + high) / 2  # the line was off: bisect
+                aim, bisecting = (low + high) / 2, True  # the line was off: bisect
         if aim is None:  # flat or unknown: double up, or halve down
             aim = 2 * (low or grid) if high is None else ((low or 0) + high) / 2
+            bisecting = high is not None
+        if bisecting and run_together is not None:
+            # Two steps at once cut the bracket in three: its thirds, on the grid, strictly inside.
+            lower = low or 0
+            thirds = sorted({
+                min(max((lower + (high - lower) * k // 3) // grid * grid, lower + grid), high - grid) for k in (1, 2)
+            })  # fmt: skip
+            if len(thirds) == 2 and not any(n in results for n in thirds):
+                width, aim = span, None
+                together([(n, False) for n in thirds])
+                continue
         if high is None:  # no step has failed yet: leap at most LEAP times the longest simulated
             aim = min(aim, LEAP * max(results))
         candidate = max(int(aim) // grid * grid, grid)
