@@ -29,7 +29,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from conftest import batch, enable_sim, tiny_model  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
-from workers import write_results_and_tear_down  # noqa: E402
+from workers import full_grads, write_results_and_tear_down  # noqa: E402
 
 import hf_offload  # noqa: E402
 from hf_offload.engine.offloader import DeviceContext  # noqa: E402
@@ -115,15 +115,6 @@ def _watched_offload_async(self, copies, engine):
 
 
 DeviceContext.offload_async = _watched_offload_async
-
-
-def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    grads = {}
-    for name, param in model.named_parameters():
-        if param.grad is not None:
-            grad = param.grad
-            grads[name] = (grad.full_tensor() if isinstance(grad, DTensor) else grad).detach().clone()
-    return grads
 
 
 def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -26,9 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from conftest import VOCAB, enable_sim, tiny_model  # noqa: E402
-from torch.distributed.tensor import DTensor  # noqa: E402
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: E402
-from workers import write_results_and_tear_down  # noqa: E402
+from workers import full_grads, write_results_and_tear_down  # noqa: E402
 
 import hf_offload  # noqa: E402
 from hf_offload.integrations import sequence_parallel as sp  # noqa: E402
@@ -72,15 +71,6 @@ def whole_order(masked: bool = False) -> list[dict]:
                 labels[:, :9] = -100
             order.append({"input_ids": ids, "labels": labels})
     return order
-
-
-def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    grads = {}
-    for name, param in model.named_parameters():
-        if param.grad is not None:
-            grad = param.grad
-            grads[name] = (grad.full_tensor() if isinstance(grad, DTensor) else grad).detach().clone()
-    return grads
 
 
 def reference(build: Callable[[], torch.nn.Module], masked: bool = False) -> tuple[list, list]:

@@ -1,12 +1,25 @@
 """What the torchrun worker scripts of the tests (distributed_worker.py, sequence_parallel_worker.py)
-share: handing their results back to the test that launched them."""
+share: the whole gradients of a (possibly sharded) model, and handing their results back to the
+test that launched them."""
 
 from __future__ import annotations
 
 import gc
 import json
 
+import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+
+def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Each parameter's gradient, whole (a DTensor's gathered), copied."""
+    grads = {}
+    for name, param in model.named_parameters():
+        if param.grad is not None:
+            grad = param.grad
+            grads[name] = (grad.full_tensor() if isinstance(grad, DTensor) else grad).detach().clone()
+    return grads
 
 
 def write_results_and_tear_down(out: str, results: dict) -> None:
