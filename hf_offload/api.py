@@ -442,7 +442,7 @@ def _install(controller: _Controller, layers: Sequence[nn.Module]) -> None:
             lambda previous, position=position, layer=layer: _LayerSlot(controller, position, previous, layer),
         )
         layer._replicate_for_data_parallel = instance_forward.BoundMethod(_replicate_with_offloading, layer)
-        attention = find_attention(innermost(layer))
+        attention = find_attention(layer)  # it looks through wrappers itself
         projection = next((c for c in attention.children() if is_linear_like(c)), None) if attention else None
         slot = layer.__dict__[LAYER_STATE_ATTR]
         if projection is not None and slot.late_hook is None:

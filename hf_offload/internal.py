@@ -9,8 +9,8 @@ from collections.abc import Iterator
 from . import api
 from .adapters import resolve_layers, unwrap_model
 from .auto_budget import device_memory, predicted_step_bytes, simulated_device
-from .engine.offloader import STAGING_LAYERS
-from .engine.planner import TierPlan, place_tiers
+from .engine.offloader import place_layers
+from .engine.planner import TierPlan
 from .engine.planner import plan as plan_device_budget
 from .engine.streams import MetaStreams, device_streams, empty_host_cache
 from .integrations.liger import fused_linear_cross_entropy_in_use
@@ -50,17 +50,6 @@ def place_last_pass(model, *, host_bytes: int, disk_bytes: int) -> tuple[TierPla
     layer_bytes, offloaded = controller.engine.pass_host_bytes()
     plan = place_layers(layer_bytes, offloaded, host_bytes=host_bytes, disk_bytes=disk_bytes)
     return plan, layer_bytes, offloaded
-
-
-def place_layers(layer_bytes, offloaded_layers: int, *, host_bytes: int, disk_bytes: int) -> TierPlan:
-    """`place_tiers` as the engine calls it (its staging), for layers of the given host bytes."""
-    return place_tiers(
-        layer_bytes,
-        offloaded_layers=offloaded_layers,
-        host_bytes=host_bytes,
-        disk_bytes=disk_bytes,
-        staging_layers=STAGING_LAYERS,
-    )
 
 
 __all__ = [

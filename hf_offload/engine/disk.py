@@ -461,10 +461,10 @@ class DiskStore:
         """Wait for writes in flight, oldest first, until the host budget has `nbytes` free for a
         new staging buffer, or no write is left to wait for."""
         while context.ledger.host_bytes + nbytes > limit:
-            writes = [job for job in self._pending if job.kind == "write" and not job.reaped]
-            if not writes:
+            oldest = next((job for job in self._pending if job.kind == "write"), None)  # settled jobs leave _pending
+            if oldest is None:
                 return
-            self.wait(writes[0])
+            self.wait(oldest)
 
     def _settle(self, job: Job) -> None:
         with self._lock:  # against `orphan`, which a dying copy calls from any thread

@@ -416,6 +416,18 @@ STAGING_LAYERS = 2
 MAX_EXTRA_READAHEAD = 8
 
 
+def place_layers(layer_bytes, offloaded_layers: int, *, host_bytes: int, disk_bytes: int):
+    """`place_tiers` as the engine calls it (with its staging), for layers of the given host bytes:
+    the planning the engine does and the simulator reports."""
+    return place_tiers(
+        layer_bytes,
+        offloaded_layers=offloaded_layers,
+        host_bytes=host_bytes,
+        disk_bytes=disk_bytes,
+        staging_layers=STAGING_LAYERS,
+    )
+
+
 class ActivationOffloader:
     def __init__(self, **options) -> None:
         self.ledger = HostLedger()
@@ -461,7 +473,6 @@ class ActivationOffloader:
         # host memory kept free for staging buffers.
         self._disk_positions: int | None = None
         self._staging_reserve = 0
-        self._pass_max_layer_host = 0  # the most host bytes one layer call of this pass asked for
         self._host_bytes_per_token: list[float] | None = None
         self._extra_readahead = 0
         self._disk_at_step_start = (0, 0, 0.0, 0.0, 0.0)
@@ -748,12 +759,10 @@ class ActivationOffloader:
                 step.disk_offloaded_tensors += group.disk_copies
                 step.disk_offloaded_bytes += group.disk_bytes
                 step.layers_on_disk += 1
-            if group.pending_bytes > self._pass_max_layer_host:
-                self._pass_max_layer_host = group.pending_bytes
-                if self._disk_positions is None:
-                    # Not planned (nothing measured yet): keep room for staging the layers to
-                    # come, as large as the largest so far, once the host fills up.
-                    self._staging_reserve = STAGING_LAYERS * group.pending_bytes
+            if self._disk_positions is None:
+                # Not planned (nothing measured yet): keep room for staging the layers to come,
+                # as large as the largest so far, once the host fills up.
+                self._staging_reserve = max(self._staging_reserve, STAGING_LAYERS * group.pending_bytes)
         # Queued even when the layer raised: handles made before the error must stay valid.
         batch = context.offload_async(group.copies, self) if group.copies else None
         if batch is not None:
@@ -817,7 +826,6 @@ class ActivationOffloader:
         self._position = 0
         self._pass_tokens = tokens
         self._offload_positions = self._plan(device, tokens) if self.max_device_bytes is not None else None
-        self._pass_max_layer_host = 0
         self._staging_reserve = 0
         self._disk_positions = self._plan_tiers(tokens) if self.disk is not None else None
 
@@ -839,22 +847,27 @@ class ActivationOffloader:
             store.wait_seconds,
         )
 
+    def _token_scale(self, tokens: int | None):
+        """What a measured rate is multiplied by for a pass of `tokens`: rates measured without a
+        token count are bytes per pass, and a pass of unknown length is taken to be as long as the
+        measured one."""
+        return 1 if self._measured_tokens is None else (tokens if tokens is not None else self._measured_tokens)
+
     def _plan_tiers(self, tokens: int | None) -> int | None:
         """How many leading layer calls of this pass put their copies on disk (planner.place_tiers);
         None before anything was measured."""
         rates = self._host_bytes_per_token
         if rates is None:
             return None
-        scale = 1 if self._measured_tokens is None else (tokens if tokens is not None else self._measured_tokens)
+        scale = self._token_scale(tokens)
         layer_bytes = [round(rate * scale) for rate in rates]
         offloaded = self._offload_positions if self._offload_positions is not None else self._offloadable_layers
         store = self.disk
-        chosen = place_tiers(
+        chosen = place_layers(
             layer_bytes,
-            offloaded_layers=offloaded,
+            offloaded,
             host_bytes=self.max_host_bytes - self.ledger.host_bytes,
             disk_bytes=store.max_bytes - store.held_bytes,
-            staging_layers=STAGING_LAYERS,
         )
         self.step.planned_disk_layers = chosen.disk_layers
         if chosen.host_short:
@@ -907,9 +920,7 @@ class ActivationOffloader:
         step.max_device_bytes = budget
         if self._bytes_per_token is None:
             return None  # nothing measured yet: the first step offloads every layer and measures them
-        # Rates measured without a token count are bytes per pass; a pass of unknown length is
-        # taken to be as long as the measured one.
-        scale = 1 if self._measured_tokens is None else (tokens if tokens is not None else self._measured_tokens)
+        scale = self._token_scale(tokens)
         own = [round(rate * scale) for rate, _ in self._bytes_per_token]
         restored = [round(rate * scale) for _, rate in self._bytes_per_token]
         # Bytes already resident from an earlier forward of this step count against the budget.
@@ -1021,7 +1032,10 @@ class ActivationOffloader:
                         and copy.needs_restore()
                         and not copy.store.read(copy, current.device, limit, needed_now=distance == 0)
                     ):
-                        break  # no host room for more reads ahead now: again at the next layer
+                        # No host room for more reads ahead now, for this layer or a farther one
+                        # (which would take the room this one waits for): again at the next layer.
+                        read_reach = distance - 1
+                        break
             if distance <= reach and not (late and distance == 0):
                 restored = current.device.restore_async(copies)
                 if restored:

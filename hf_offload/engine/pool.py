@@ -224,9 +224,7 @@ class HostPool:
         # Copies out of or into these slabs may still be queued on the copy stream: memory
         # handed back to the system (rather than to torch's caching host allocator, which
         # orders itself) must wait for them.
-        quiesce = getattr(self._streams, "quiesce_host", None)
-        if quiesce is not None:
-            quiesce()
+        self._streams.quiesce_host()
         for slab in slabs:
             self.owned_bytes -= slab.size
             self.free_bytes -= slab.size

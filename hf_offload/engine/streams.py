@@ -189,6 +189,9 @@ class MetaStreams:
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device="meta")
 
+    def quiesce_host(self) -> None:
+        pass  # nothing is copied
+
     def host_waiter(self, event) -> None:
         return None
 
