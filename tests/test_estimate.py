@@ -90,6 +90,7 @@ def test_a_search_run_two_steps_at_a_time_finds_what_one_at_a_time_does(model_di
     in a forked process; the answer, every probe and the step reported are those of the search
     that runs its steps one by one."""
     import multiprocessing
+    import os
 
     import torch
 
@@ -100,9 +101,21 @@ def test_a_search_run_two_steps_at_a_time_finds_what_one_at_a_time_does(model_di
         config=load_config(str(model_dir)), name="tiny", training=Training(dtype=torch.float32),
         modes=["checkpointing"], seq_len=512, memory_bytes=int(0.25 * GIB), granularity=256,
     )  # fmt: skip
+    fork = multiprocessing.get_context("fork")
+    forked = fork.Value("i", 0)  # steps simulated in a forked process (the counter is shared with it)
+    parent = os.getpid()
     found = {}
-    for pair in (None, multiprocessing.get_context("fork")):
+    for pair in (None, fork):
         simulator = Simulator(request.config, request.training)
+        simulate = simulator.run
+
+        def counted(*args, simulate=simulate, **kwargs):
+            if os.getpid() != parent:
+                with forked.get_lock():
+                    forked.value += 1
+            return simulate(*args, **kwargs)
+
+        simulator.run = counted
         entry = estimate_module._estimate_mode(simulator, request, "checkpointing", pair=pair)
         found[pair is None] = (
             entry.longest.max_seq_len,
@@ -110,6 +123,7 @@ def test_a_search_run_two_steps_at_a_time_finds_what_one_at_a_time_does(model_di
             entry.step.peak_bytes,
         )
     assert found[True][0] is not None
+    assert forked.value >= 2  # the first two lengths' pair, and the prediction's
     assert found[False] == found[True]
 
 
