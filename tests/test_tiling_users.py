@@ -259,8 +259,15 @@ TRANSFORMS = {
     ),
     "softcapping": lambda model, logits: torch.tanh(logits / 3.0) * 3.0,
     "a learnable scale": lambda model, logits: logits * model.scale,
+    "by keyword, per token": lambda model, logits: torch.mul(input=logits, other=2.0),
+    "an item assigned": lambda model, logits: _assigned(logits),
 }
-PER_TOKEN = ("in place, per token", "softcapping", "a learnable scale")
+PER_TOKEN = ("in place, per token", "softcapping", "a learnable scale", "by keyword, per token")
+
+
+def _assigned(logits):
+    logits[..., 0] = -3.0  # `__setitem__`: in place, returns nothing
+    return logits
 
 
 def transforming(name):

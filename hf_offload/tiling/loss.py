@@ -76,6 +76,8 @@ def _op_name(func) -> tuple[str, bool]:
     name = getattr(func, "__name__", "")
     if name.startswith("__") and name.endswith("__"):
         name = name[2:-2]
+        if name == "setitem":  # logits[..., k] = v
+            return name, True
         for prefix in ("r", "i"):
             if name.startswith(prefix) and name[1:] in _REFLECTED:
                 return ("div" if name[1:] == "truediv" else name[1:]), prefix == "i"
@@ -132,12 +134,12 @@ class DeferredLogits(torch.Tensor):
             per_token = isinstance(probe, torch.Tensor) and probe.shape == deferred.shape
         if in_place and args and args[0] is deferred:
             # The model's code keeps using this very object: record the op on it.
-            deferred.ops = deferred.ops + ((func, _recorded(args, deferred), kwargs),)
+            deferred.ops = deferred.ops + ((func, *_recorded(args, kwargs, deferred)),)
             if not per_token or probe.dtype != deferred.dtype:
                 deferred.whole = deferred.whole or getattr(func, "__name__", str(func))
             return deferred
         if per_token:
-            op = (func, _recorded(args, deferred), kwargs)
+            op = (func, *_recorded(args, kwargs, deferred))
             like = torch.empty((1,) * probe.dim(), dtype=probe.dtype, device=deferred.device).expand(probe.shape)
             return DeferredLogits(like, deferred.source, deferred.ops + (op,))
         # Not a per-token transform: the logits (every deferred operand) become real, and the step
@@ -176,8 +178,11 @@ def _needs_grad(value) -> bool:
     return isinstance(value, torch.Tensor) and value.requires_grad
 
 
-def _recorded(args, deferred) -> tuple:
-    return tuple(_Slot if a is deferred else a for a in args)
+def _recorded(args, kwargs, deferred) -> tuple[tuple, dict]:
+    """The op's arguments with the deferred logits, positional or by keyword, replaced by `_Slot`."""
+    return tuple(_Slot if a is deferred else a for a in args), {
+        k: _Slot if v is deferred else v for k, v in kwargs.items()
+    }
 
 
 class _Slot:
@@ -186,7 +191,10 @@ class _Slot:
 
 def _replay(logits: torch.Tensor, ops: tuple) -> torch.Tensor:
     for func, args, kwargs in ops:
-        logits = func(*[logits if a is _Slot else a for a in args], **kwargs)
+        result = func(
+            *[logits if a is _Slot else a for a in args], **{k: logits if v is _Slot else v for k, v in kwargs.items()}
+        )
+        logits = logits if result is None else result  # `__setitem__` changes them and returns nothing
     return logits
 
 
