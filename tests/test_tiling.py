@@ -680,3 +680,15 @@ def test_the_reference_cycle_check_catches_a_cycle_holding_the_hidden_states(mon
 
     monkeypatch.setattr(loss_tiling._Source, "inside_a_call", leaving_a_cycle)
     assert _held_after_the_step(model) == ["input", "gradient"]
+
+
+def test_only_a_mask_laid_out_by_heads_is_split_over_them():
+    """A (batch, heads, queries, keys) mask is split with its heads; a padding mask (batch,
+    tokens) is not, even where its length equals the head count (a split would give each group
+    the wrong positions' mask)."""
+    from hf_offload.tiling.attention import _per_group
+
+    by_heads = torch.arange(2 * 8 * 3 * 3).view(2, 8, 3, 3)
+    assert [tuple(part.shape) for part in _per_group(by_heads, 1, heads=8, groups=2)] == [(2, 4, 3, 3)] * 2
+    padding = torch.ones(2, 8)
+    assert all(part is padding for part in _per_group(padding, 1, heads=8, groups=2))

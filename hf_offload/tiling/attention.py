@@ -188,7 +188,15 @@ def _groups(query, key, value, attention_mask, kwargs) -> tuple[int, str | None]
 
 
 def _per_group(tensor, dim: int, heads: int, groups: int) -> list:
-    if not isinstance(tensor, torch.Tensor) or tensor.dim() <= dim or tensor.shape[dim] != heads:
+    """The tensor's part for each group where it lays out heads along `dim` (a per-head vector's
+    first, a (batch, heads, queries, keys) mask's or bias's second), else the whole for each: a
+    padding mask (batch, tokens) whose length equals the head count is not split."""
+    if (
+        not isinstance(tensor, torch.Tensor)
+        or tensor.dim() <= dim
+        or (dim == 1 and tensor.dim() != 4)
+        or tensor.shape[dim] != heads
+    ):
         return [tensor] * groups
     return list(tensor.split(heads // groups, dim=dim))
 
