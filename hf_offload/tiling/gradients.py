@@ -81,11 +81,6 @@ class Targets:
             self.zero3 + [t for t in other.zero3 if id(t) not in mine],
         )
 
-    def with_extra(self, tensors: Sequence[torch.Tensor]) -> Targets:
-        """These targets and the tensors given (held directly), each once."""
-        extra = Targets.of(None, [t for t in tensors if all(t is not mine for mine in (*self.tensors, *self.zero3))])
-        return Targets(self.places + extra.places, self.tensors + extra.tensors, self.zero3 + extra.zero3)
-
     def current(self) -> list[torch.Tensor]:
         """The tensors as the modules hold them now, in the order of `tensors`."""
         current = []

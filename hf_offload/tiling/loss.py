@@ -200,12 +200,11 @@ def _replay(logits: torch.Tensor, ops: tuple) -> torch.Tensor:
 
 @dataclass
 class _Stage:
-    """A module the deferred computation runs, the forward its call ran (inside that call, hooks
-    around it), and the ops recorded on its output before the next stage took it."""
+    """A module the deferred computation runs, and the forward its call ran (inside that call,
+    hooks around it)."""
 
     module: nn.Module
     forward: object
-    ops: tuple = ()
 
 
 @dataclass
@@ -232,7 +231,7 @@ class _Source:
     def through(self, hidden: torch.Tensor) -> torch.Tensor:
         """The last stage's output for `hidden` (the whole sequence's or a slice's)."""
         for stage in self.stages:
-            hidden = _replay(stage.forward(hidden), stage.ops)
+            hidden = stage.forward(hidden)
         return hidden
 
     def inside_a_call(self, work, hidden: torch.Tensor | None = None):
@@ -508,7 +507,7 @@ def _tiled_loss(slot: LossSlot, logits: DeferredLogits, labels, vocab_size, num_
     length = hidden.shape[1]
     tile = slot.tile_tokens if slot.tile_tokens is not None else loss_tile_tokens(logits.shape[-1])
     bounds = [(start, min(start + tile, length)) for start in range(0, length, tile)]
-    targets = source.targets.with_extra(logits.learnable_operands())
+    targets = source.targets.merged(Targets.of(None, logits.learnable_operands()))
     # The run holds no reference to the hidden states besides the Function's saved one, which
     # backward frees (the loss tensor keeps the run alive through the whole backward).
     run = _LossRun(dataclasses.replace(source, hidden=None), logits.ops, shift_labels, ignore_index, divisor, bounds,
