@@ -547,6 +547,36 @@ def test_the_comparison_catches_a_replay_keyed_on_what_a_module_looks_like(monke
     assert fast.traffic_bytes != full.traffic_bytes
 
 
+# -- the longest-context pieces: each lowers the peak where its part holds it ----------------------
+
+# 4096 tokens in slices of 256, GQA. Narrow layers: attention's backward holds the peak, the first
+# layers' inputs and the embeddings' output around it. Wider ones: the final norm's backward does.
+_PIECES_NARROW = dict(hidden_size=64, intermediate_size=256)
+_PIECES_WIDE = dict(hidden_size=256, intermediate_size=512)
+_WHERE_EACH_PIECE_MATTERS = {
+    "heads": _PIECES_NARROW, "embeddings": _PIECES_NARROW, "late_prefetch": _PIECES_NARROW,
+    "final_norm": _PIECES_WIDE,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("piece", sorted(_WHERE_EACH_PIECE_MATTERS))
+def test_each_longest_context_piece_lowers_the_peak_where_its_part_holds_it(piece, monkeypatch):
+    """The ladder in docs/longest_context.md, one piece at a time: with every other piece on,
+    turning this one off raises the simulated peak (attention tiled over heads, the final norm
+    with the loss head, the embeddings' output offloaded, the layer before back after the peak)."""
+    from hf_offload.internal import longest_context_pieces
+
+    monkeypatch.setattr(offloader, "LATE_PREFETCH_BYTES", 0)  # its threshold is 256 MiB a layer
+    config = dict(num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=16, vocab_size=64,
+                  max_position_embeddings=8192, **_WHERE_EACH_PIECE_MATTERS[piece])  # fmt: skip
+    peaks = {}
+    for on in (True, False):
+        with longest_context_pieces(**{piece: on}):
+            simulator = Simulator(AutoConfig.for_model("llama", **config), Training(lora_rank=4, tile_tokens=256))
+            peaks[on] = simulator.run("checkpointing+hf_offload+tiled", 4096).peak_bytes
+    assert peaks[False] > peaks[True]
+
+
 # -- the longest sequence --------------------------------------------------------------------------
 
 
