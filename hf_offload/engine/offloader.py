@@ -545,11 +545,11 @@ class ActivationOffloader:
         if group.to_disk:
             store = self.disk_for(group, nbytes)
             return store if store is not None else (None if host_fits() else False)
-        if self._disk_positions is not None and self.disk is not None and not host_fits():
+        if self._disk_positions is not None and not host_fits():  # planned: a disk tier exists
             # A layer the plan keeps in host memory: what fills it is the staging buffers of the
             # disk layers' writes still in flight, which the plan counted; wait for them.
             self.disk.wait_for_room(group.device, group.pending_bytes + nbytes, self.max_host_bytes)
-        if host_fits() and ledger.host_bytes + group.pending_bytes + nbytes <= self.host_room:
+        if ledger.host_bytes + group.pending_bytes + nbytes <= self.host_room:  # within the budget: host_room <= it
             return None
         store = self.disk_for(group, nbytes)
         return store if store is not None else (None if host_fits() else False)
