@@ -414,6 +414,29 @@ def test_bytes_gone_from_the_file_fail_that_backward_clearly_and_the_next_step_r
     assert_all_given_back(model, tmp_path)
 
 
+def test_no_host_memory_to_read_back_into_is_a_clear_error_and_the_next_step_runs(tmp_path, monkeypatch):
+    """Host memory gone between forward and backward (another process took it): reads ahead wait
+    for a later layer, and the read backward needs now raises DiskTierError saying so (not the
+    allocator's error from inside autograd)."""
+    plain, model = disk_pair(tmp_path)
+    same_step(plain, model, 0)
+    loss = model(input_ids=batch(seed=1), labels=batch(seed=1)).loss
+
+    def no_memory(self, size):
+        raise MemoryError(f"cannot allocate {size} bytes")
+
+    monkeypatch.setattr(HostPool, "acquire", no_memory)
+    with pytest.raises(DiskTierError, match="could not get .* bytes of host memory .*cannot allocate"):
+        loss.backward()
+    monkeypatch.undo()
+    del loss
+    collect()
+    same_step(plain, model, 2)
+    stats = same_step(plain, model, 3)
+    assert stats.disk_bytes_read > 0
+    assert_all_given_back(model, tmp_path)
+
+
 def test_a_disk_budget_too_small_keeps_the_rest_on_the_device(tmp_path, caplog):
     plain, model = disk_pair(tmp_path, max_disk_bytes=2 * ALIGNMENT)
     with caplog.at_level(logging.WARNING, logger="hf_offload"):
