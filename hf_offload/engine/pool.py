@@ -110,17 +110,22 @@ class HostBudget:
     """Host memory for offloaded activations, in one place: the most they may take (`limit`,
     max_host_bytes) and what the pools hold of it now (`held`: buffers handed out, host copies and
     the disk tier's staging buffers alike). One per offloader, shared by its pools (one per device),
-    which alone change `held`, under `lock`, whatever thread gives a buffer back."""
+    which alone change `held` (`charge`), whatever thread gives a buffer back."""
 
-    __slots__ = ("limit", "held", "lock")
+    __slots__ = ("limit", "held", "_lock")
 
     def __init__(self, limit: int = sys.maxsize) -> None:
         self.limit = limit
         self.held = 0
-        self.lock = threading.Lock()
+        self._lock = threading.Lock()
 
     def has_room(self, nbytes: int) -> bool:
         return self.held + nbytes <= self.limit
+
+    def charge(self, nbytes: int) -> None:
+        """`nbytes` more held (fewer, if negative)."""
+        with self._lock:
+            self.held += nbytes
 
 
 class HostPool:
@@ -144,8 +149,8 @@ class HostPool:
         self._cycle_short = False
         self._consolidate_to = 0  # when idle: replace the slabs by one of this many bytes
         # HostCopy.__del__ releases buffers on whatever thread drops the graph (autograd's
-        # device threads included); the budget is shared with the other devices' pools.
-        self._lock = self.budget.lock
+        # device threads included).
+        self._lock = threading.Lock()
 
     @property
     def free_bytes(self) -> int:
@@ -180,7 +185,7 @@ class HostPool:
                 buffer = self._carve(size)
                 assert buffer is not None
             self.in_use_bytes += size
-            self.budget.held += size
+            self.budget.charge(size)
             if self.in_use_bytes > self._cycle_peak:
                 self._cycle_peak = self.in_use_bytes
             return buffer
@@ -191,7 +196,7 @@ class HostPool:
         with self._lock:
             slab = buffer.slab
             self.in_use_bytes -= buffer.size
-            self.budget.held -= buffer.size
+            self.budget.charge(-buffer.size)
             if slab is None or slab.memory is None:
                 return  # a slab already given back (cannot happen while a buffer is in use)
             slab.used -= buffer.size
