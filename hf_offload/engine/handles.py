@@ -4,6 +4,11 @@ A handle lives exactly as long as the autograd graph that saved it, so the host 
 freed when the graph is (after backward, or when a forward's graph is dropped unused), it can
 be unpacked any number of times (`retain_graph=True`), and any number of forwards may be
 alive at once. There is no global registry to go stale.
+
+One case where the graph outlives its last reference: a backward that raised (a DiskTierError,
+a KeyboardInterrupt while it waited for the disk) leaves the nodes it had not run in torch's
+queue of ready work, which the next backward clears (torch 2.13, with any saved-tensor hook that
+raises). Until then their host buffers and disk extents stay held.
 """
 
 from __future__ import annotations
