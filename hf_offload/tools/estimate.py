@@ -26,7 +26,6 @@ from hf_offload.tools.devices import (
     MEMORY_EFFICIENCY,
     Device,
     compute_seconds,
-    step_seconds,
 )
 from hf_offload.tools.modes import parse_mode
 from hf_offload.tools.simulator import Simulator, StepResult, Training, composition
@@ -40,6 +39,7 @@ from hf_offload.tools.simulator.tiers import (
     longest_stored,
     stored,
 )
+from hf_offload.tools.step_time import FLASH_ATTENTION_2, HOST_MEMORY_GBPS, StepTime, attention_slowdown, step_time
 
 GIB = 2**30
 BASE_MODES = ("none", "hf_offload", "checkpointing", "checkpointing+hf_offload")
@@ -77,6 +77,7 @@ class ModeEstimate:
     longest: LongestSequence | None = None
     bytes_per_token: float | None = None  # the peak's slope between the search's two lengths
     sp_seconds: float = 0.0  # Ulysses's all-to-alls, in step_seconds (they wait on each other)
+    time: StepTime | None = None  # step_seconds by part, and with another attention kernel
 
 
 @dataclass
@@ -101,6 +102,8 @@ class Estimate:
                 "seq_len": step.seq_len,
                 "sp_sent_bytes": step.sp_sent_bytes,
                 "sp_seconds": entry.sp_seconds,
+                "step_seconds_range": None if entry.time is None else [entry.time.low, entry.time.high],
+                "step_seconds_flash_attention_2": _flash_attention_2_seconds(entry, request),
                 "params_host_bytes": step.params_host_bytes,
                 "params_gathered_bytes": step.params_gathered_bytes,
                 "peak": {
@@ -261,14 +264,31 @@ def _estimate_mode(simulator: Simulator, request: Request, mode: str, *, pair=No
         short, long_ = results[lengths[0]], results[lengths[1]]
         slope = (long_.peak_bytes - short.peak_bytes) / (long_.tokens - short.tokens)
     step = run(request.seq_len, False)
-    seconds = step_seconds(
-        training.device, step.compute, step.traffic_bytes, tflops=request.tflops, efficiency=request.efficiency
-    )
-    # Each all-to-all stands between a layer's projections and its attention: nothing to hide behind.
-    sp_seconds = step.sp_sent_bytes / (training.device.peer_gbps * 1e9)
+    timed = _step_time(step, simulator, request)
     for result in results.values():
         result.trace = None  # the per-op lines are only for the search
-    return ModeEstimate(mode, step, seconds + sp_seconds, longest, slope, sp_seconds)
+    return ModeEstimate(mode, step, timed.seconds, longest, slope, timed.exchange, timed)
+
+
+def _step_time(step: StepResult, simulator: Simulator, request: Request, kernel: str = "sdpa") -> StepTime:
+    """The step's seconds (`step_time`): with ZeRO-3 offload, its weights' gathers and the host's
+    optimizer step over the trainable parameters."""
+    training = request.training
+    trainable = sum(p.numel() for p in simulator.trainable) if training.offload_params else 0
+    return step_time(
+        training.device, step.compute, step.traffic_bytes, kernel=kernel, sp_sent_bytes=step.sp_sent_bytes,
+        params_gathered_bytes=step.params_gathered_bytes, host_trainable_parameters=trainable,
+        link_gbps=request.link_gbps, tflops=request.tflops, efficiency=request.efficiency,
+    )  # fmt: skip
+
+
+def _flash_attention_2_seconds(entry: ModeEstimate, request: Request) -> float | None:
+    """The step's seconds with FlashAttention 2's kernels, where they run at another rate."""
+    timed = entry.time
+    slowdown = attention_slowdown(FLASH_ATTENTION_2, request.training.device)
+    if timed is None or slowdown == timed.slowdown:
+        return None
+    return timed.seconds + timed.attention * (slowdown / timed.slowdown - 1)
 
 
 def tier_estimate(step: StepResult, request: Request) -> tuple[list[str], DiskTime | None] | None:
@@ -423,6 +443,7 @@ def format_estimate(estimate: Estimate, *, device_given: bool) -> str:
         lines.extend(_longest_lines(estimate))
     lines.append("")
     lines.extend(_assumption_lines(request, device_given=device_given))
+    lines.extend(_kernel_lines(estimate))
     lines.append(f"simulated in {estimate.seconds:.0f} s")
     return "\n".join(lines)
 
@@ -550,11 +571,15 @@ def _parallel_lines(entry: ModeEstimate, request: Request) -> list[str]:
     if step.params_host_bytes is not None:
         link = (request.link_gbps or device.link_gbps) * 1e9
         gathered = step.params_gathered_bytes
+        timed = entry.time
+        low, high = timed.host_optimizer
         lines.append(
             "  parameters offloaded (ZeRO-3, offload_param and offload_optimizer to the CPU): "
             f"{size(step.params_host_bytes)} on the host (weights, float32 gradients, master weights and AdamW "
             f"states); the device gathered {size(gathered)} of weights, {gathered / link:.2f} s at {link / 1e9:g} "
-            "GB/s, not in the step time (prefetched behind compute), nor the host's optimizer step"
+            f"GB/s, prefetched behind compute ({timed.exposed_weights:.2f} s of it not hidden); the host's optimizer "
+            f"step {low:.1f}-{high:.1f} s (DeepSpeed's CPU Adam at {HOST_MEMORY_GBPS[1]:g}-{HOST_MEMORY_GBPS[0]:g} "
+            "GB/s of host memory, assumed), in the step time at the middle of that range"
         )
     return lines
 
@@ -647,7 +672,8 @@ def _assumption_lines(request: Request, *, device_given: bool) -> list[str]:
         f"  step time: matmuls at {request.efficiency or MATMUL_EFFICIENCY:g} of the rate of their dtype, attention "
         f"(what the kernel computes: half the square when causal) at {ATTENTION_EFFICIENCY:g}, memory-bound ops at "
         f"{MEMORY_EFFICIENCY:g} of the memory bandwidth (fitted to the H200's ten step times, each within 7.1% of a "
-        "fit to the other nine); offloading's copies not included",
+        "fit to the other nine; published steps of 0.5M-15M tokens: docs/published.md); offloading's copies not "
+        "included",
     ]
     if request.tflops is not None:
         lines.append(f"  matmul rate: {request.tflops:g} TFLOP/s, given with --tflops")
@@ -662,6 +688,23 @@ def _assumption_lines(request: Request, *, device_given: bool) -> list[str]:
             "longer than a layer's forward, its read when no longer than a layer's backward (docs/tiers.md)"
         )
     return lines
+
+
+def _kernel_lines(estimate: Estimate) -> list[str]:
+    """On Hopper the attention kernel moves a long step's time by more than anything else."""
+    request = estimate.request
+    flash = [(entry.mode, _flash_attention_2_seconds(entry, request)) for entry in estimate.modes]
+    flash = [(mode, seconds) for mode, seconds in flash if seconds is not None]
+    if not flash:
+        return []
+    slowdown = attention_slowdown(FLASH_ATTENTION_2, request.training.device)
+    steps = ", ".join(f"{mode} {seconds:.2f} s" for mode, seconds in flash)
+    return [
+        "  attention kernel: the step times are for cuDNN's or FlashAttention 3's kernels (what SDPA runs on Hopper "
+        f"with a cuDNN newer than 9.15); with FlashAttention 2's (attn_implementation=\"flash_attention_2\", or SDPA's "
+        f"flash backend) attention takes {slowdown:g}x as long (fitted to published H100 steps, docs/published.md): "
+        + steps
+    ]
 
 
 def format_json(estimate: Estimate) -> str:

@@ -19,13 +19,13 @@ import contextlib
 import gc
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 
 import torch
 
 import hf_offload
-from hf_offload.config import DEFAULT_MIN_OFFLOAD_BYTES, DISK_SPACE_SHARE, HOST_MEMORY_SHARE
+from hf_offload.config import DEFAULT_MIN_OFFLOAD_BYTES, DISK_SPACE_SHARE, HOST_MEMORY_SHARE, TilingOptions
 from hf_offload.internal import (
     MetaStreams,
     TierPlan,
@@ -91,6 +91,11 @@ class Training:
     # Weights, gradients and optimizer state on the host, as DeepSpeed ZeRO-3 with offload_param and
     # offload_optimizer to the CPU keeps them (`ParameterOffload` below).
     offload_params: bool = False
+    # The parts the "+tiled" modes tile, as enable_sequence_tiling's keyword options (mlp, norms,
+    # projections, attention, loss: `hf_offload.TilingOptions`); None: its defaults, every part.
+    # ALST's tiling is the MLP alone: dict(mlp=True, norms=False, projections=False, attention=False, loss=False).
+    # Kept as sorted (name, value) pairs, so that a Training stays hashable.
+    tiling: Mapping[str, bool] | tuple[tuple[str, bool], ...] | None = None
 
     def __post_init__(self) -> None:
         if self.optimizer_states not in (0, 2):
@@ -107,6 +112,12 @@ class Training:
             # Under Ulysses each rank's mask covers its shard only; what DeepSpeed does with a
             # padding mask is not simulated.
             raise ValueError("a padded batch under sequence parallelism is not simulated: drop padded or sp_size")
+        if self.tiling is not None:
+            parts = dict(self.tiling)
+            if "tile_tokens" in parts:
+                raise ValueError("give tile_tokens as Training.tile_tokens, not in tiling")
+            TilingOptions.from_kwargs(**parts)  # an unknown part or a non-bool fails here, by name
+            object.__setattr__(self, "tiling", tuple(sorted(parts.items())))
         if self.host_memory_bytes is not None and self.host_memory_bytes <= 0:
             raise ValueError(f"host_memory_bytes must be > 0 or None, got {self.host_memory_bytes}")
         if self.disk_memory_bytes is not None:
@@ -492,7 +503,7 @@ class Simulator:
                     # Under tiling's wrappers, so that its slices call the memo.
                     self.memo = SliceMemo(tracker)
                     stack.enter_context(self.memo.installed(self._memo_modules()))
-                hf_offload.enable_sequence_tiling(base, tile_tokens=training.tile_tokens)
+                hf_offload.enable_sequence_tiling(base, tile_tokens=training.tile_tokens, **dict(training.tiling or ()))
                 stack.callback(hf_offload.disable_sequence_tiling, base)
             if mode.hf_offload:
                 if mode.budget:
