@@ -84,20 +84,22 @@ class FourBit:
         return f"4-bit {self.bnb_4bit_quant_type} base, {double}, {compute} compute{prepared}"
 
 
-def quantize_on_meta(model: torch.nn.Module, four_bit: FourBit, dtype: torch.dtype) -> torch.nn.Module:
-    """`model` (built on the meta device in `dtype`) with its linear layers in 4 bits, as
-    from_pretrained with the BitsAndBytesConfig leaves it (module docstring); then, with
-    `prepare_model_for_kbit_training`, PEFT's preparation."""
+def quantize(model: torch.nn.Module, four_bit: FourBit, dtype: torch.dtype) -> torch.nn.Module:
+    """`model` (built in `dtype`, on the meta device or a real one) with its linear layers in 4 bits,
+    as from_pretrained with the BitsAndBytesConfig leaves it (module docstring); then, with
+    `prepare_model_for_kbit_training`, PEFT's preparation. On a real device each weight is random
+    before it is quantized there (the GPU benchmark: no checkpoint is read)."""
     import bitsandbytes as bnb
     from transformers.integrations.bitsandbytes import Bnb4bitQuantize
     from transformers.quantizers import AutoHfQuantizer
 
+    device = next(model.parameters()).device
     config = four_bit.config()
     # As from_pretrained records it, on a copy: the caller's config stays unquantized.
     model.config = copy.deepcopy(model.config)
     model.config.quantization_config = config
     quantizer = AutoHfQuantizer.from_config(config, pre_quantized=False)
-    quantizer.preprocess_model(model=model, dtype=dtype, device_map={"": "meta"})
+    quantizer.preprocess_model(model=model, dtype=dtype, device_map={"": str(device)})
     convert = Bnb4bitQuantize(quantizer)
     # bitsandbytes caches the 8-bit code of double quantization in a process-wide dict, on the
     # device of its first use, and copies it from there at every later use: made on meta, it would
@@ -108,15 +110,17 @@ def quantize_on_meta(model: torch.nn.Module, four_bit: FourBit, dtype: torch.dty
             if not isinstance(module, bnb.nn.Linear4bit):
                 continue
             # What a checkpoint's weight is when it reaches the quantizer: the layer's shape, the model's dtype.
-            loaded = torch.empty(module.weight.shape, dtype=dtype, device="meta")
+            loaded = torch.empty(module.weight.shape, dtype=dtype, device=device).normal_(std=0.02)
             key = f"{name}.weight"
             (weight,) = convert.convert({key: [loaded]}, model=model, full_layer_name=key).values()
-            # Params4bit quantizes when moved to a device, which meta is not to it: the same call, made here.
-            module.weight = weight._quantize(loaded.device)
+            if not weight.bnb_quantized:  # Params4bit quantizes when moved to a device, which meta is not to it
+                weight = weight._quantize(device)
+            module.weight = weight
             module.weight.module = module
     finally:
-        bnb.functional.name2qmap.clear()
-        bnb.functional.name2qmap.update(cached)
+        if device.type == "meta":
+            bnb.functional.name2qmap.clear()
+            bnb.functional.name2qmap.update(cached)
     model.hf_quantizer = quantizer
     quantizer.postprocess_model(model)
     if four_bit.prepare_model_for_kbit_training:
@@ -127,6 +131,27 @@ def quantize_on_meta(model: torch.nn.Module, four_bit: FourBit, dtype: torch.dty
         prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
         model.enable_input_require_grads()
     return model
+
+
+def four_bit_of(model: torch.nn.Module) -> tuple[FourBit, torch.dtype] | None:
+    """The 4-bit base a loaded model is (its BitsAndBytesConfig, and whether PEFT's preparation put
+    its other parameters in float32), and the dtype its weights were loaded in; None if it is not."""
+    import sys
+
+    config = getattr(getattr(model, "config", None), "quantization_config", None)
+    if not getattr(model, "is_loaded_in_4bit", False) or config is None or "bitsandbytes" not in sys.modules:
+        return None
+    import bitsandbytes as bnb
+
+    quantized = next((m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)), None)
+    loaded = getattr(getattr(quantized, "weight", None), "quant_state", None)
+    embeddings = model.get_input_embeddings().weight.dtype
+    if loaded is None:
+        return None
+    prepared = embeddings == torch.float32 and loaded.dtype != torch.float32
+    four_bit = FourBit(config.bnb_4bit_quant_type, config.bnb_4bit_use_double_quant, config.bnb_4bit_compute_dtype,
+                       prepare_model_for_kbit_training=prepared)  # fmt: skip
+    return four_bit, loaded.dtype
 
 
 def quantized_state_tensors(model: torch.nn.Module) -> Iterator[torch.Tensor]:

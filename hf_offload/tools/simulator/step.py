@@ -38,7 +38,7 @@ from hf_offload.internal import (
 from hf_offload.tools.devices import DEVICES, Device
 from hf_offload.tools.modes import Mode, parse_mode, set_checkpointing, set_liger_flce
 
-from .four_bit import FourBit, dequantizing_gemm, quantize_on_meta, quantized_state_tensors
+from .four_bit import FourBit, dequantizing_gemm, quantize, quantized_state_tensors
 from .memo import SliceMemo
 from .stand_ins import (
     UlyssesTraffic,
@@ -421,7 +421,7 @@ class Simulator:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=training.dtype)
         if training.four_bit is not None:
-            model = quantize_on_meta(model, training.four_bit, training.dtype)
+            model = quantize(model, training.four_bit, training.dtype)
         if training.lora_rank is not None:
             from peft import LoraConfig, get_peft_model
 
