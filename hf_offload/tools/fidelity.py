@@ -46,6 +46,8 @@ def training_of(model, *, device: torch.device, batch_size: int = 1, min_offload
         )
     if min_offload_bytes is not None:
         options["min_offload_bytes"] = min_offload_bytes
+    if device.type == "cuda":  # what tiling's default slices are sized to, read as the product reads it
+        options["device_memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
     dtype = base.dtype
     quantized = four_bit_of(base)
     if quantized is not None:  # a 4-bit base: its BitsAndBytesConfig, in the dtype it was loaded in
