@@ -193,6 +193,7 @@ def _add_estimate_command(commands: argparse._SubParsersAction) -> None:
         default="fp32",
         help="adapter dtype (default fp32: PEFT casts adapters to fp32 unless autocast_adapter_dtype=False)",
     )
+    _add_four_bit_arguments(estimate)
     estimate.add_argument("--keep-last-layers", type=_int_at_least(0, "keep-last-layers"), default=1)
     estimate.add_argument("--prefetch-layers", type=_int_at_least(0, "prefetch-layers"), default=1)
     estimate.add_argument(
@@ -274,6 +275,62 @@ def _add_estimate_command(commands: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     estimate.add_argument("--json", action="store_true", help="print a JSON object instead of text")
     estimate.set_defaults(run=_run_estimate, command_parser=estimate)
+
+
+def _add_four_bit_arguments(estimate: argparse.ArgumentParser) -> None:
+    """QLoRA's 4-bit base, named as transformers' BitsAndBytesConfig and PEFT name its parts."""
+    group = estimate.add_argument_group("4-bit base (QLoRA; the options are BitsAndBytesConfig's fields)")
+    group.add_argument(
+        "--load-in-4bit", action="store_true",
+        help="the base loaded in 4 bits by bitsandbytes, as from_pretrained(..., quantization_config="
+        "BitsAndBytesConfig(load_in_4bit=True, ...)) loads it (lm_head stays in --dtype); needs --lora-rank",
+    )  # fmt: skip
+    group.add_argument(
+        "--bnb-4bit-quant-type", choices=("fp4", "nf4"), default=None,
+        help="the 4-bit data type (default fp4, BitsAndBytesConfig's; QLoRA's recipe is nf4)",
+    )  # fmt: skip
+    group.add_argument(
+        "--bnb-4bit-use-double-quant", action="store_true",
+        help="quantize the quantization statistics too (0.516 instead of 0.5625 bytes per weight)",
+    )  # fmt: skip
+    group.add_argument(
+        "--bnb-4bit-compute-dtype", choices=sorted(DTYPES), default=None,
+        help="the dtype bitsandbytes dequantizes into and multiplies in (default fp32, BitsAndBytesConfig's; "
+        "QLoRA's recipe is bf16)",
+    )  # fmt: skip
+    group.add_argument(
+        "--prepare-model-for-kbit-training", action="store_true",
+        help="PEFT's prepare_model_for_kbit_training before LoRA: every parameter that is not 4-bit (norms, "
+        "embeddings, lm_head) in float32 (default: they keep --dtype, as Unsloth keeps them)",
+    )  # fmt: skip
+
+
+def _four_bit(args: argparse.Namespace, parser: argparse.ArgumentParser):
+    """The 4-bit base the options ask for, or None; an option without --load-in-4bit is an error."""
+    from .simulator.four_bit import FourBit
+
+    given = {
+        "--bnb-4bit-quant-type": args.bnb_4bit_quant_type is not None,
+        "--bnb-4bit-use-double-quant": args.bnb_4bit_use_double_quant,
+        "--bnb-4bit-compute-dtype": args.bnb_4bit_compute_dtype is not None,
+        "--prepare-model-for-kbit-training": args.prepare_model_for_kbit_training,
+    }
+    if not args.load_in_4bit:
+        option = next((name for name, present in given.items() if present), None)
+        if option is not None:
+            parser.error(f"argument {option}: describes a 4-bit base: give --load-in-4bit too")
+        return None
+    if args.lora_rank is None:
+        parser.error("argument --load-in-4bit: a 4-bit base is trained through adapters: give --lora-rank")
+    if args.offload_params:
+        parser.error("argument --load-in-4bit: a 4-bit base with --offload-params is not simulated")
+    compute = DTYPES[args.bnb_4bit_compute_dtype] if args.bnb_4bit_compute_dtype else "float32"
+    return FourBit(
+        bnb_4bit_quant_type=args.bnb_4bit_quant_type or "fp4",
+        bnb_4bit_use_double_quant=args.bnb_4bit_use_double_quant,
+        bnb_4bit_compute_dtype=getattr(torch, compute),
+        prepare_model_for_kbit_training=args.prepare_model_for_kbit_training,
+    )
 
 
 def _estimate_modes(args: argparse.Namespace) -> list[str]:
@@ -363,6 +420,7 @@ def _run_estimate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         padded=args.padded,
         sp_size=args.sp,
         offload_params=args.offload_params,
+        four_bit=_four_bit(args, parser),
     )
     request = Request(
         config=config,

@@ -18,8 +18,9 @@ import multiprocessing
 import os
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from hf_offload.config import HOST_MEMORY_SHARE
 from hf_offload.tools.devices import (
     ATTENTION_EFFICIENCY,
     MATMUL_EFFICIENCY,
@@ -85,6 +86,8 @@ class Estimate:
     request: Request
     modes: list[ModeEstimate] = field(default_factory=list)
     seconds: float = 0.0
+    # Where host memory alone ends the longest mode early: that mode with a disk tier (`past_the_host`).
+    with_disk: tuple[Request, ModeEstimate] | None = None
 
     def as_json(self) -> dict:
         """{"modes": {MODE: {"peak_bytes", "host_bytes", "offloaded_bytes", "flops",
@@ -139,8 +142,18 @@ class Estimate:
             modes[entry.mode] = item
         training = request.training
         best = longest_mode(self)
+        longest = None if best is None else {"mode": best.mode, "max_seq_len": best.longest.max_seq_len}
+        if longest is not None:
+            longest["with_disk"] = None
+            if self.with_disk is not None:
+                disk_request, entry = self.with_disk
+                at = entry.longest.at_max
+                longest["with_disk"] = None if at is None else {
+                    "max_seq_len": entry.longest.max_seq_len,
+                    "tiers": tiers_json(at, disk_request),
+                }  # fmt: skip
         return {
-            "longest": None if best is None else {"mode": best.mode, "max_seq_len": best.longest.max_seq_len},
+            "longest": longest,
             "setup": {
                 "model": request.name,
                 "dtype": str(training.dtype).removeprefix("torch."),
@@ -157,10 +170,20 @@ class Estimate:
                 "padded": training.padded,
                 "sp_size": training.sp_size,
                 "offload_params": training.offload_params,
+                "four_bit": None if training.four_bit is None else four_bit_json(training.four_bit),
                 "simulated": True,
             },
             "modes": modes,
         }
+
+
+def four_bit_json(four_bit) -> dict:
+    return {
+        "bnb_4bit_quant_type": four_bit.bnb_4bit_quant_type,
+        "bnb_4bit_use_double_quant": four_bit.bnb_4bit_use_double_quant,
+        "bnb_4bit_compute_dtype": str(four_bit.bnb_4bit_compute_dtype).removeprefix("torch."),
+        "prepare_model_for_kbit_training": four_bit.prepare_model_for_kbit_training,
+    }
 
 
 def run_estimate(request: Request, *, echo=print, jobs: int | None = None) -> Estimate:
@@ -187,8 +210,37 @@ def run_estimate(request: Request, *, echo=print, jobs: int | None = None) -> Es
             estimate.modes.append(_estimate_mode(simulator, request, mode, pair=pair))
             if echo is not None:
                 echo(f"  simulated {mode} ({time.perf_counter() - started:.0f} s in)")
+    estimate.with_disk = past_the_host(estimate, cpus, context, echo)
     estimate.seconds = time.perf_counter() - started
     return estimate
+
+
+# "As much disk as the length takes", to say how much that is: 1 PiB.
+UNBOUNDED_DISK_BYTES = 2**50
+
+
+def past_the_host(estimate: Estimate, cpus: int, context, echo) -> tuple[Request, ModeEstimate] | None:
+    """With a host memory and no disk tier, where host memory ends the longest mode early (at its
+    answer hf_offload kept inputs on the device for want of host memory): that mode searched again
+    with a disk tier of as much disk as it takes, the device's own limit with the host and disk it
+    needs (`enable_activation_offloading(disk_dir=...)`, docs/tiers.md)."""
+    request = estimate.request
+    training = request.training
+    best = longest_mode(estimate)
+    if training.host_memory_bytes is None or training.disk_memory_bytes is not None or best is None:
+        return None
+    if not (best.longest.at_max.over_budget_bytes or best.longest.at_max.layers_kept_for_budget):
+        return None  # host memory held every offloaded input at the answer: a disk adds nothing
+    with_disk = replace(
+        request, training=replace(training, disk_memory_bytes=UNBOUNDED_DISK_BYTES), modes=[best.mode]
+    )
+    simulator = Simulator(with_disk.config, with_disk.training)
+    entry = _estimate_mode(simulator, with_disk, best.mode, pair=context if cpus > 1 else None)
+    if echo is not None:
+        echo(f"  simulated {best.mode} with a disk tier past the host's memory")
+    if (entry.longest.max_seq_len or 0) <= best.longest.max_seq_len:
+        return None  # the disk layers' staging takes host memory too: here it reaches no further
+    return with_disk, entry
 
 
 _worker_simulator: list = []  # a forked worker's model, built at its first mode
@@ -393,6 +445,7 @@ def _headline_lines(estimate: Estimate) -> list[str]:
             host = f", {_tiers_needed(at, request)}"
         lines.append(f"  {entry.mode:<34}{value:>12} tokens  (peak {size(at.peak_bytes)}{host})")
     best = longest_mode(estimate)
+    lines.extend(_host_lines(estimate, best))
     if best is not None:
         model_type = getattr(request.config.get_text_config(), "model_type", "llama")
         steps = recipe(best.mode, model_type, request.training.tile_tokens)
@@ -401,6 +454,32 @@ def _headline_lines(estimate: Estimate) -> list[str]:
                          "with `import hf_offload`:")  # fmt: skip
             lines.extend(f"    {line}" for line in steps)
     return lines
+
+
+def _host_lines(estimate: Estimate, best: ModeEstimate | None) -> list[str]:
+    """What the longest needs of the host: with unlimited host memory, the RAM its pool takes; where
+    the host's memory ended it early, what a disk tier beside it reaches and needs."""
+    training = estimate.request.training
+    if best is None or best.longest.at_max is None or not best.longest.at_max.host_bytes:
+        return []
+    if training.host_memory_bytes is None:
+        pool = best.longest.at_max.host_bytes
+        return [
+            f"  host RAM: hf_offload's pinned pool takes {size(pool)} at {best.longest.max_seq_len:,} tokens (it "
+            f"may use {HOST_MEMORY_SHARE:.0%} of the RAM: a machine with {size(pool / HOST_MEMORY_SHARE)}); with "
+            "less, --host-memory GIB says how much disk it needs instead"
+        ]
+    if estimate.with_disk is None:
+        return []
+    disk_request, entry = estimate.with_disk
+    at = entry.longest.at_max
+    if at is None:
+        return []
+    return [
+        f"  past this host's {size(training.host_memory_bytes)} of RAM, a disk tier (enable_activation_offloading("
+        f"disk_dir=...), {disk_request.disk_rate:g} GB/s) reaches {entry.longest.max_seq_len:,} tokens: "
+        f"{_tiers_needed(at, disk_request)}"
+    ]
 
 
 def format_estimate(estimate: Estimate, *, device_given: bool) -> str:
@@ -457,6 +536,8 @@ def _setup_line(request: Request) -> str:
         targets = training.lora_targets if isinstance(training.lora_targets, str) else ",".join(training.lora_targets)
         adapters = str(training.lora_dtype).removeprefix("torch.")
         tuning = f"LoRA r={training.lora_rank} on {targets} ({adapters} adapters)"
+        if training.four_bit is not None:
+            tuning += f" on a {training.four_bit.describe()}"
     optimizer = "AdamW step" if training.optimizer_states else "no optimizer step (forward and backward)"
     host_bytes = training.host_memory_bytes
     host = "unlimited host memory" if host_bytes is None else f"{size(host_bytes)} of host memory"
@@ -656,7 +737,8 @@ def _longest_lines(estimate: Estimate) -> list[str]:
         if needs:
             lines.append(
                 "host memory is unlimited here: give --host-memory GIB to hold hf_offload to a host's RAM (tensors "
-                "over its budget stay on the device, as in training)"
+                "over its budget stay on the device, as in training; the answer then says what a disk tier beside it "
+                "reaches)"
             )
     return lines
 

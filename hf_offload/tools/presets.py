@@ -26,6 +26,13 @@ PRESET_CONFIGS = {
                          rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                            original_max_position_embeddings=8192),
                          tie_word_embeddings=False),
+    # Llama-3.3-70B-Instruct's config.json (70,553,706,496 parameters; Llama 3.1's RoPE scaling).
+    "llama-3.3-70b": dict(model_type="llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                          num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
+                          max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
+                          rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                            original_max_position_embeddings=8192),
+                          tie_word_embeddings=False),
     # Qwen3-8B's config.json (8,190,735,360 parameters; q and k normed per head, no biases).
     "qwen3-8b": dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,

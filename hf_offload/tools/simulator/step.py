@@ -38,6 +38,7 @@ from hf_offload.internal import (
 from hf_offload.tools.devices import DEVICES, Device
 from hf_offload.tools.modes import Mode, parse_mode, set_checkpointing, set_liger_flce
 
+from .four_bit import FourBit, dequantizing_gemm, quantize, quantized_state_tensors
 from .memo import SliceMemo
 from .stand_ins import (
     UlyssesTraffic,
@@ -96,6 +97,9 @@ class Training:
     # ALST's tiling is the MLP alone: dict(mlp=True, norms=False, projections=False, attention=False, loss=False).
     # Kept as sorted (name, value) pairs, so that a Training stays hashable.
     tiling: Mapping[str, bool] | tuple[tuple[str, bool], ...] | None = None
+    # A base loaded in 4 bits by bitsandbytes (QLoRA's), as BitsAndBytesConfig(load_in_4bit=True, ...)
+    # says (`four_bit.py`); None: the weights in `dtype`.
+    four_bit: FourBit | None = None
 
     def __post_init__(self) -> None:
         if self.optimizer_states not in (0, 2):
@@ -118,6 +122,10 @@ class Training:
                 raise ValueError("give tile_tokens as Training.tile_tokens, not in tiling")
             TilingOptions.from_kwargs(**parts)  # an unknown part or a non-bool fails here, by name
             object.__setattr__(self, "tiling", tuple(sorted(parts.items())))
+        if self.four_bit is not None and self.lora_rank is None:
+            raise ValueError("a 4-bit base is trained through adapters: give lora_rank with four_bit")
+        if self.four_bit is not None and self.offload_params:
+            raise ValueError("a 4-bit base with offload_params is not simulated: drop four_bit or offload_params")
         if self.host_memory_bytes is not None and self.host_memory_bytes <= 0:
             raise ValueError(f"host_memory_bytes must be > 0 or None, got {self.host_memory_bytes}")
         if self.disk_memory_bytes is not None:
@@ -423,6 +431,8 @@ class Simulator:
         self.tracker = MemoryTracker()
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=training.dtype)
+        if training.four_bit is not None:
+            model = quantize(model, training.four_bit, training.dtype)
         if training.lora_rank is not None:
             from peft import LoraConfig, get_peft_model
 
@@ -439,6 +449,8 @@ class Simulator:
                 self.tracker.adopt(parameter)
         for buffer in model.buffers():
             self.tracker.adopt(buffer)
+        for statistics in quantized_state_tensors(model):
+            self.tracker.adopt(statistics)
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         for parameter in self.trainable:
             parameter.register_post_accumulate_grad_hook(lambda p: self.tracker.retag(p.grad, ("gradients", "")))
@@ -498,6 +510,12 @@ class Simulator:
                 set_liger_flce(base, True)
                 stack.callback(set_liger_flce, base, False)
                 stack.enter_context(simulated_liger_loss())
+            if mode.budget and device_memory is None:
+                raise ValueError(f"mode {mode.name!r} reads the device's memory: give the device memory")
+            if device_memory is not None:
+                # What the product reads of the device: "auto"'s free memory, the total that sizes
+                # tiling's default slices.
+                stack.enter_context(simulated_device(read_device))
             if mode.tiled:
                 if self.replay:
                     # Under tiling's wrappers, so that its slices call the memo.
@@ -506,10 +524,6 @@ class Simulator:
                 hf_offload.enable_sequence_tiling(base, tile_tokens=training.tile_tokens, **dict(training.tiling or ()))
                 stack.callback(hf_offload.disable_sequence_tiling, base)
             if mode.hf_offload:
-                if mode.budget:
-                    if device_memory is None:
-                        raise ValueError(f"mode {mode.name!r} reads the device's memory: give the device memory")
-                    stack.enter_context(simulated_device(read_device))
                 # With a disk tier the host budget holds what the disk does not: the step offloads
                 # everything, and `place_tiers` judges the two tiers after it.
                 host = None if training.disk_memory_bytes is not None else training.host_budget_bytes
@@ -528,6 +542,8 @@ class Simulator:
             stack.enter_context(attention_as_on_cuda(training.device.compute_capability))
             if training.autocast is not None:
                 stack.enter_context(autocast_as_on_cuda(tracker.in_the_step))
+            if training.four_bit is not None:
+                stack.enter_context(dequantizing_gemm())
             if training.sp_size > 1:
                 # After tiling's wrappers: Ulysses gathers the sequence, then attention tiled over heads runs.
                 implementation = base.config._attn_implementation or "sdpa"
