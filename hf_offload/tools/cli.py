@@ -149,8 +149,12 @@ def _add_estimate_command(commands: argparse._SubParsersAction) -> None:
     estimate.add_argument(
         "--trust-remote-code", action="store_true", help="allow a config whose model code comes from the hub"
     )
-    estimate.add_argument("--seq-len", type=_int_at_least(2, "seq-len"), default=8192, help="default 8192")
-    estimate.add_argument("--batch-size", type=_int_at_least(1, "batch-size"), default=1, help="default 1")
+    estimate.add_argument(
+        "--seq-len", type=_int_at_least(2, "seq-len"), default=8192, help="tokens per sequence (default 8192)"
+    )
+    estimate.add_argument(
+        "--batch-size", type=_int_at_least(1, "batch-size"), default=1, help="sequences per step (default 1)"
+    )
     estimate.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="the weights' dtype (default bf16)")
     estimate.add_argument(
         "--autocast", choices=("bf16", "fp16"), default=None,
@@ -194,8 +198,14 @@ def _add_estimate_command(commands: argparse._SubParsersAction) -> None:
         default="fp32",
         help="adapter dtype (default fp32: PEFT casts adapters to fp32 unless autocast_adapter_dtype=False)",
     )
-    estimate.add_argument("--keep-last-layers", type=_int_at_least(0, "keep-last-layers"), default=1)
-    estimate.add_argument("--prefetch-layers", type=_int_at_least(0, "prefetch-layers"), default=1)
+    estimate.add_argument(
+        "--keep-last-layers", type=_int_at_least(0, "keep-last-layers"), default=1, metavar="N",
+        help="hf_offload's keep_last_layers: the last N decoder layers' tensors stay on the device (default 1)",
+    )  # fmt: skip
+    estimate.add_argument(
+        "--prefetch-layers", type=_int_at_least(0, "prefetch-layers"), default=1, metavar="N",
+        help="hf_offload's prefetch_layers: layers brought back ahead of their backward (default 1)",
+    )  # fmt: skip
     estimate.add_argument(
         "--optimizer-states",
         type=int,
@@ -249,7 +259,11 @@ def _add_estimate_command(commands: argparse._SubParsersAction) -> None:
         help="give hf_offload a device-memory budget (max_device_bytes = GIB x 2**30) and show what it keeps",
     )
     estimate.add_argument(
-        "--granularity", type=_int_at_least(1, "granularity"), default=1024, help="the longest sequence's grid (1024)"
+        "--granularity",
+        type=_int_at_least(1, "granularity"),
+        default=1024,
+        metavar="N",
+        help="the longest sequence's grid, with --device or --device-memory (default 1024)",
     )
     estimate.add_argument(
         "--link-gbps", type=_positive_float("link-gbps"), default=None, help="host link GB/s per direction"
@@ -461,7 +475,9 @@ def _add_bench_command(commands: argparse._SubParsersAction) -> None:
         default=None,
         help="sweep lengths (default 256 512 1024 2048)",
     )
-    bench.add_argument("--batch-size", type=_int_at_least(1, "batch-size"), default=1)
+    bench.add_argument(
+        "--batch-size", type=_int_at_least(1, "batch-size"), default=1, help="sequences per step (default 1)"
+    )
     bench.add_argument(
         "--steps",
         type=_int_at_least(1, "steps"),
@@ -480,7 +496,12 @@ def _add_bench_command(commands: argparse._SubParsersAction) -> None:
     )
     bench.add_argument("--dtype", choices=["fp32", "bf16"], default=None, help="bf16 on CUDA, fp32 on CPU")
     bench.add_argument("--lora-rank", type=_int_at_least(1, "lora-rank"), default=None, help="LoRA on all linears")
-    bench.add_argument("--device", type=_available_device, default=_default_device())
+    bench.add_argument(
+        "--device",
+        type=_available_device,
+        default=_default_device(),
+        help=f"torch device to measure on: cpu, cuda or cuda:N (default {_default_device()})",
+    )
     bench.add_argument(
         "--min-offload-bytes", type=_int_at_least(0, "min-offload-bytes"), default=None, help="hf_offload's option"
     )
