@@ -198,14 +198,8 @@ def _add_estimate_command(commands: argparse._SubParsersAction) -> None:
         default="fp32",
         help="adapter dtype (default fp32: PEFT casts adapters to fp32 unless autocast_adapter_dtype=False)",
     )
-    estimate.add_argument(
-        "--keep-last-layers", type=_int_at_least(0, "keep-last-layers"), default=1, metavar="N",
-        help="hf_offload's keep_last_layers: the last N decoder layers' tensors stay on the device (default 1)",
-    )  # fmt: skip
-    estimate.add_argument(
-        "--prefetch-layers", type=_int_at_least(0, "prefetch-layers"), default=1, metavar="N",
-        help="hf_offload's prefetch_layers: layers brought back ahead of their backward (default 1)",
-    )  # fmt: skip
+    estimate.add_argument("--keep-last-layers", type=_int_at_least(0, "keep-last-layers"), default=1)
+    estimate.add_argument("--prefetch-layers", type=_int_at_least(0, "prefetch-layers"), default=1)
     estimate.add_argument(
         "--optimizer-states",
         type=int,
