@@ -512,7 +512,7 @@ def format_estimate(estimate: Estimate, *, device_given: bool) -> str:
     for entry in estimate.modes:
         lines.append("")
         lines.extend(_composition_lines(entry))
-        copies = _copy_line(entry, request)
+        copies = _copy_line(entry, request) or _nothing_moved_line(entry, request)
         if copies:
             lines.append(copies)
         lines.extend(_parallel_lines(entry, request))
@@ -638,6 +638,36 @@ def _copy_line(entry: ModeEstimate, request: Request) -> str | None:
         f"{link / 1e9:g} GB/s, against {forward * 1e3:.1f} ms of the layer's forward and {backward * 1e3:.1f} ms of "
         f"its backward: copies hide behind compute: {hides}"
     )
+
+
+# Why hf_offload left saved tensors on the device (the engine's KEEP_REASONS), for a mode that moved nothing.
+_KEPT = {
+    "too_small": "under min_offload_bytes ({min_bytes})",
+    "parameter": "weights or views of them",
+    "leaf": "inputs requiring grad",
+    "kept_layer": "in the last {keep} layer(s), kept (keep_last_layers)",
+    "kept_for_budget": "in layers the device budget had room for",
+    "duplicate": "already offloaded (shared storage)",
+    "unsupported": "of a kind it does not move",
+    "over_budget": "past the host budget",
+    "no_host_memory": "without host memory",
+}
+
+
+def _nothing_moved_line(entry: ModeEstimate, request: Request) -> str | None:
+    """A mode with hf_offload that moved nothing says why: at short sequences of a small model
+    every saved tensor is under min_offload_bytes."""
+    step, training = entry.step, request.training
+    if not parse_mode(entry.mode).hf_offload or step.offloaded_bytes or not step.offload_stats:
+        return None
+    tensors, nbytes = step.offload_stats.get("kept_tensors", {}), step.offload_stats.get("kept_bytes", {})
+    reasons = [
+        f"{count} {_KEPT.get(reason, reason)}: {size(nbytes.get(reason, 0))}"
+        for reason, count in sorted(tensors.items(), key=lambda item: -nbytes.get(item[0], 0))
+        if count
+    ]
+    kept = "; ".join(reasons).format(min_bytes=size(training.min_offload_bytes), keep=training.keep_last_layers)
+    return f"  hf_offload moved nothing: the saved tensors it saw stayed on the device: {kept or 'none seen'}"
 
 
 def _parallel_lines(entry: ModeEstimate, request: Request) -> list[str]:

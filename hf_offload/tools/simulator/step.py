@@ -36,7 +36,7 @@ from hf_offload.internal import (
     unwrap_model,
 )
 from hf_offload.tools.devices import DEVICES, Device
-from hf_offload.tools.modes import Mode, parse_mode, set_checkpointing, set_liger_flce
+from hf_offload.tools.modes import NEEDS_ACCELERATOR, Mode, parse_mode, set_checkpointing, set_liger_flce
 
 from .four_bit import FourBit, dequantizing_gemm, quantize, quantized_state_tensors
 from .memo import SliceMemo
@@ -51,10 +51,7 @@ from .stand_ins import (
 from .tracker import MemoryTracker, Peak
 
 # Modes whose offloading is not hf_offload's: they need pinned memory or an accelerator.
-NOT_SIMULATED = {
-    "transformers_offload": "transformers' offload=True copies with torch's save_on_cpu, which pins host memory",
-    "trl_offload": "TRL's offloading needs an accelerator's streams",
-}
+NOT_SIMULATED = NEEDS_ACCELERATOR
 
 
 @dataclass(frozen=True)
