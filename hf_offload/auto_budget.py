@@ -55,6 +55,18 @@ def device_memory(device: torch.device) -> tuple[int, int]:
     return free + torch.accelerator.memory_reserved(device) - torch.accelerator.memory_allocated(device), total
 
 
+def total_device_memory(device: torch.device) -> int | None:
+    """The total memory of `device` (the simulated device's, an accelerator's); None for the CPU
+    and where it cannot be read."""
+    if _simulated:
+        return _simulated[-1]()[1]
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    if device.type in ("cpu", "meta") or not hasattr(torch.accelerator, "get_memory_info"):
+        return None
+    return torch.accelerator.get_memory_info(device)[1]
+
+
 def check_device_memory_readable() -> None:
     """max_device_bytes="auto" needs the accelerator's free memory at every step: fail at enable
     time, where it cannot be read, rather than in the middle of training. Nothing is asked of the

@@ -80,7 +80,9 @@ class OffloadOptions:
         instead of staying on the device, the earliest layers first (backward needs them last),
         read back ahead of need. The file has no name (unlinked when opened), so nothing is left
         behind after a crash. The directory is checked when offloading is enabled: it must exist
-        and take a file that is written and read back.
+        and take a file that is written and read back (a file system in memory, such as /dev/shm,
+        works and is warned about: it spares no RAM). Enabling again with the same disk_dir keeps
+        the file and what is in it.
     max_disk_bytes: the most bytes the disk tier's file may hold. None (the default) means 80% of
         the space free in disk_dir when offloading is enabled, divided by the number of processes
         on this host (LOCAL_WORLD_SIZE). More than is free there is an error.

@@ -37,7 +37,6 @@ ROWS = 2  # rows per micro-batch: DeepSpeed's shards are views across rows
 LENGTHS = (16, 15)  # tokens per row, per local batch: 15 is padded to 16
 LR = 0.1
 TILE = 4  # tokens per slice: each rank's 8 tokens run as 2 slices
-ORIGINAL_SDPA = ALL_ATTENTION_FUNCTIONS["sdpa"]
 OUT = ""  # the --out file; the Trainer's output directories go beside it
 
 
@@ -391,7 +390,7 @@ def scenario_accelerate() -> dict:
     the loop scores each batch with sequence_parallel_loss (DeepSpeed's SP group, found by itself)."""
     from accelerate import Accelerator
     from accelerate.parallelism_config import ParallelismConfig
-    from accelerate.state import AcceleratorState, GradientState
+    from accelerate.state import AcceleratorState, GradientState, PartialState
     from accelerate.utils import DeepSpeedPlugin, DeepSpeedSequenceParallelConfig, DummyOptim
     from deepspeed.utils import safe_get_full_grad
 
@@ -401,6 +400,7 @@ def scenario_accelerate() -> dict:
         restore_attention()
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
+        PartialState(cpu=True)  # else accelerate counts one process on the CPU, and every rank gets every batch
         config = {**zero3_config(False), "optimizer": {"type": "SGD", "params": {"lr": LR}}}
         model = build(torch.float32, offload=offload, **recipe)  # as the reference: deepspeed.initialize partitions it
         accelerator = Accelerator(
@@ -411,7 +411,8 @@ def scenario_accelerate() -> dict:
                 sp_handler=DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa"),
             ),
         )
-        loader = torch.utils.data.DataLoader(Rows(4), batch_size=ROWS, drop_last=True)
+        loader = torch.utils.data.DataLoader(Rows(8), batch_size=ROWS, drop_last=True)  # 2 batches per rank
+        sp.check_sequence_parallel(model, SP)
         engine, optimizer, loader = accelerator.prepare(model, DummyOptim(model.parameters()), loader)
         losses, grads, batches = [], [], []
         for batch in loader:
@@ -524,13 +525,14 @@ def scenario_trainer(trl: bool = False) -> dict:
 def restore_attention() -> None:
     """Put transformers' sdpa back and forget any SP group, whoever registered Ulysses, and
     whatever ZeRO-3 configuration accelerate or the Trainer left for transformers (which would
-    build the next model under zero.Init)."""
+    build the next model under zero.Init). DeepSpeed registers into ALL_ATTENTION_FUNCTIONS's own
+    mapping: its entry goes, so that the class-wide one (where head tiling wraps sdpa) shows."""
     from deepspeed.runtime.sequence_parallel import parallel_state_sp
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     unset_hf_deepspeed_config()
     sp.unregister_ulysses()
-    ALL_ATTENTION_FUNCTIONS["sdpa"] = ORIGINAL_SDPA
+    ALL_ATTENTION_FUNCTIONS._local_mapping.pop("sdpa", None)
     parallel_state_sp._release_sequence_parallel_groups()
 
 
@@ -539,7 +541,7 @@ def scenario_refusals() -> dict:
     model = build()
     ulysses = sp.register_ulysses(model, SP, micro_batch_size=ROWS)
     errors = {}
-    ids = ids_for(0, 0)
+    ids = ids_for(0, dist.get_rank())  # batches of its own: identical ones would be refused first
 
     def first(batches):
         try:
@@ -564,6 +566,26 @@ def scenario_refusals() -> dict:
         lambda: ulysses.loss(model, {k: v for k, v in batch.items() if k != "position_ids"})
     )
     errors["no_shift_labels"] = _error(lambda: ulysses.loss(model, {"input_ids": ids, "position_ids": ids}))
+    # Ulysses as accelerate and the Trainer register it (off in eval mode), and a model in eval mode.
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+    restore_attention()
+    UlyssesSPAttentionHF.register_with_transformers(
+        model_name_or_path=model, core_attn_implementation="sdpa", sequence_parallel_size=SP,
+        micro_batch_size=ROWS, seq_length_is_variable=True, disable_in_eval=True,
+    )  # fmt: skip
+    model.eval()
+    errors["eval_mode"] = _error(
+        lambda: sp.sequence_parallel_loss(model, {"input_ids": ids, "position_ids": ids, "shift_labels": ids})
+    )
+    restore_attention()
+    # accelerate made on the CPU without being told so: it counts one process of the two.
+    from accelerate.state import AcceleratorState, PartialState
+
+    AcceleratorState._reset_state(True)
+    PartialState()
+    errors["accelerate_one_process"] = _error(lambda: sp.check_sequence_parallel(model, SP))
+    AcceleratorState._reset_state(True)
     return {"errors": errors}
 
 
@@ -573,6 +595,175 @@ def _error(call) -> str | None:
     except Exception as error:
         return f"{type(error).__name__}: {error}"
     return None
+
+
+def scenario_identical_batches() -> dict:
+    """Ranks holding the same batches (a loader without a DistributedSampler) are refused on both
+    ranks, after the first two batches of the pass; allow_identical_batches=True trains them; a
+    first batch identical by chance and a second one different is not refused; a loader of one
+    batch is decided on it."""
+    model = build()
+    ulysses = sp.register_ulysses(model, SP, micro_batch_size=ROWS)
+    rank = dist.get_rank()
+    mine = [{"input_ids": ids, "labels": ids} for ids in (ids_for(0, rank), ids_for(0, 10 + rank))]
+    same = [{"input_ids": ids, "labels": ids} for ids in (ids_for(0, 0), ids_for(0, 1))]
+
+    def steps(batches, **options) -> dict:
+        count = 0
+        try:
+            for _batch in ulysses.adapt(batches, **options):
+                count += 1
+        except Exception as error:
+            return {"steps": count, "error": f"{type(error).__name__}: {error}"}
+        return {"steps": count, "error": None}
+
+    return {
+        "same": steps(same),
+        "same_allowed": steps(same, allow_identical_batches=True),
+        "first_by_chance": steps([same[0], mine[1]]),
+        "one_batch": steps(same[:1]),
+        "own": steps(mine),
+    }
+
+
+def scenario_late_tiling() -> dict:
+    """Sequence tiling enabled after register_ulysses still tiles the heads inside Ulysses (8
+    heads and 4 key/value heads: 2 key/value heads per rank, 2 groups): the attention calls reach
+    the tiled function, and loss and gradients match one process."""
+    from hf_offload.tiling.attention import HEADS_ATTR
+
+    shape = {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 4}
+
+    def make() -> torch.nn.Module:
+        return tiny_model("llama", seed=0, use_cache=False, **shape).to(torch.float64)
+
+    ref = reference(make)
+    model = make()
+    ulysses = sp.register_ulysses(model, SP, micro_batch_size=ROWS)
+    hf_offload.enable_sequence_tiling(model, tile_tokens=TILE)
+    result = differences(ref, sp_train(model, model, ulysses))
+    result["head_tiled_calls"] = getattr(model.model.layers[0].self_attn, HEADS_ATTR).calls
+    return result
+
+
+def scenario_attention_registry() -> dict:
+    """unregister_ulysses leaves ALL_ATTENTION_FUNCTIONS as it found it: no entry of its own
+    mapping where there was none (which would shadow a later AttentionInterface.register), and
+    the entry that was there put back."""
+    from transformers.modeling_utils import AttentionInterface
+
+    local = ALL_ATTENTION_FUNCTIONS._local_mapping
+    model = build()
+    sp.register_ulysses(model, SP, micro_batch_size=ROWS)
+    registered_locally = "sdpa" in local
+    sp.unregister_ulysses()
+    left_behind = "sdpa" in local
+    original = AttentionInterface._global_mapping["sdpa"]
+
+    def marker(*args, **kwargs):
+        return original(*args, **kwargs)
+
+    AttentionInterface.register("sdpa", marker)
+    try:
+        later_registration_seen = ALL_ATTENTION_FUNCTIONS["sdpa"] is marker
+    finally:
+        AttentionInterface.register("sdpa", original)
+    ALL_ATTENTION_FUNCTIONS["sdpa"] = marker  # someone's own override, before Ulysses
+    sp.register_ulysses(model, SP, micro_batch_size=ROWS)
+    sp.unregister_ulysses()
+    override_restored = local.get("sdpa") is marker
+    local.pop("sdpa", None)
+    return {
+        "registered_locally": registered_locally,
+        "left_behind": left_behind,
+        "later_registration_seen": later_registration_seen,
+        "override_restored": override_restored,
+    }
+
+
+def recipe(heading: str) -> str:
+    """The first python block after `heading` in docs/sequence_parallel.md, as written there."""
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "sequence_parallel.md")) as doc:
+        text = doc.read()
+    after = text[text.index(f"\n{heading}\n") :]
+    start = after.index("```python\n") + len("```python\n")
+    return after[start : after.index("```", start)]
+
+
+RECIPES = {"loop": "### A loop of one's own", "accelerate": "### accelerate", "trainer": "### The Trainer and TRL"}
+
+
+def scenario_docs_recipes() -> dict:
+    """The three recipes of docs/sequence_parallel.md, each run as written there (its
+    `deepspeed.init_distributed` finds the process group up) on a tiny Llama saved to a
+    directory, 4 rows of 16 tokens, one epoch: every row is trained once (the whole micro-batches
+    the group trained, gathered), and the loss of each micro-batch is that of one process
+    training the same rows in the same order with the recipe's own optimizer line (the first
+    micro-batch's only for the Trainer, whose optimizer and schedule are its defaults)."""
+    out = os.path.dirname(OUT)
+    path = os.path.join(out, "recipe_model")
+    if dist.get_rank() == 0:
+        tiny_model("llama", seed=0, use_cache=False).save_pretrained(path)
+    dist.barrier()
+    return {name: run_recipe(recipe(heading), path, Rows(4)) for name, heading in RECIPES.items()}
+
+
+def run_recipe(code: str, path: str, dataset: Rows) -> dict:
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+    from transformers import AutoModelForCausalLM, Trainer
+
+    restore_attention()
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    PartialState._reset_state()
+    trained, losses = [], []
+    original_loss, original_compute = sp.sequence_parallel_loss, Trainer.compute_loss
+
+    def recording_loss(model, batch, *args, **kwargs):
+        loss = original_loss(model, batch, *args, **kwargs)
+        trained.append(whole(batch))
+        losses.append(float(loss))
+        return loss
+
+    def recording_compute(self, model, inputs, *args, **kwargs):
+        loss = original_compute(self, model, inputs, *args, **kwargs)
+        if model.training:
+            trained.append(whole(inputs))
+            losses.append(float(loss[0] if isinstance(loss, tuple) else loss))
+        return loss
+
+    sp.sequence_parallel_loss, Trainer.compute_loss = recording_loss, recording_compute
+    cwd = os.getcwd()
+    os.chdir(os.path.dirname(OUT))  # where the Trainer's output directory goes
+    namespace = {"path": path, "dataset": dataset, "epochs": 1}
+    try:
+        exec(compile(code, "docs/sequence_parallel.md", "exec"), namespace)
+    finally:
+        os.chdir(cwd)
+        sp.sequence_parallel_loss, Trainer.compute_loss = original_loss, original_compute
+        if hasattr(namespace.get("model"), "destroy"):  # a DeepSpeed engine
+            namespace["model"].destroy()
+        restore_attention()
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", use_cache=False)
+    line = next((line for line in code.splitlines() if line.startswith("optimizer = torch.optim.")), None)
+    scope = {"torch": torch, "model": model}
+    exec(line or "optimizer = torch.optim.SGD(model.parameters(), lr=0.0)", scope)
+    reference_losses = []
+    for batch in trained if line else trained[:1]:
+        scope["optimizer"].zero_grad(set_to_none=True)
+        labels = batch["shift_labels"]
+        loss = model(input_ids=batch["input_ids"], labels=labels, shift_labels=labels).loss
+        loss.backward()
+        scope["optimizer"].step()
+        reference_losses.append(float(loss))
+    rows = sorted(tuple(ids.tolist()) for ids in dataset.ids)
+    return {
+        "rows_once": sorted(tuple(row.tolist()) for batch in trained for row in batch["input_ids"]) == rows,
+        "micro_batches": len(trained),
+        "losses": losses,
+        "reference_losses": reference_losses,
+        "loss_rel": max(abs(a - b) / abs(b) for a, b in zip(losses, reference_losses, strict=False)),
+    }
 
 
 def scenario_zero1_scaled_for_averaging() -> dict:
@@ -614,6 +805,10 @@ SCENARIOS = {
     "trainer": scenario_trainer,
     "trl": lambda: scenario_trainer(trl=True),
     "refusals": scenario_refusals,
+    "identical_batches": scenario_identical_batches,
+    "late_tiling": scenario_late_tiling,
+    "attention_registry": scenario_attention_registry,
+    "docs_recipes": scenario_docs_recipes,
     "gpu_multi_smoke": scenario_gpu_multi_smoke,
 }
 

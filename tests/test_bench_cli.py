@@ -201,10 +201,26 @@ def test_without_the_accelerate_state_trl_offloading_fails_as_on_the_h200(
     assert record.status.startswith("failed: RuntimeError: You must initialize the accelerate state")
 
 
-@pytest.mark.skipif(torch.accelerator.is_available(), reason="what happens on a CPU-only machine")
-def test_on_a_cpu_only_machine_trl_offloading_fails_for_want_of_an_accelerator(monkeypatch):
+@pytest.mark.parametrize("mode", ["trl_offload", "transformers_offload"])
+def test_without_an_accelerator_the_peers_offloading_is_skipped_as_needing_one(monkeypatch, mode):
+    """TRL's offloading reads the accelerator's type (None here: "'NoneType' object has no attribute
+    'type'"), transformers' offload=True pins host memory: on a machine without an accelerator the
+    bench says so instead of printing their errors."""
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *args, **kwargs: None)
+    (record,) = bench.sweep(
+        micro_peft_model(), modes=[mode], seq_lens=[4], batch_size=1, steps=1, device=torch.device("cpu"),
+        progress=False,
+    )  # fmt: skip
+    why = modes.NEEDS_ACCELERATOR[mode]
+    assert record.status == f"skipped: {mode} needs an accelerator, and there is none here: {why}"
+
+
+def test_without_the_skip_trl_offloading_fails_with_its_own_error(monkeypatch):
+    """Companion: what a user saw before (TRL's raw error), with the check patched away."""
     from accelerate import PartialState
 
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *args, **kwargs: None)
+    monkeypatch.setattr(bench, "NEEDS_ACCELERATOR", {})
     monkeypatch.setattr(PartialState, "_shared_state", {})  # process-wide: not left to later tests
     record = trl_step(micro_peft_model())
     assert record.status == "failed: AttributeError: 'NoneType' object has no attribute 'type'"

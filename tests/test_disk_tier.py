@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import copy
 import errno
+import functools
 import logging
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -24,13 +27,14 @@ import hf_offload
 from hf_offload.engine import disk as disk_module
 from hf_offload.engine.disk import DiskTierError
 from hf_offload.engine.planner import place_tiers
-from hf_offload.engine.pool import ALIGNMENT
-from hf_offload.engine.streams import simulated_schedule
+from hf_offload.engine.pool import ALIGNMENT, HostPool
+from hf_offload.engine.streams import SimulatedStreams, simulated_schedule
 
 LAYERS = 6  # five offloaded, the last kept
 CHECKPOINTING = {"none": None, "non_reentrant": {"use_reentrant": False}, "reentrant": {"use_reentrant": True}}
 
 
+@functools.cache  # the same tiny model's step: measured once per run
 def host_bytes_of_full_offloading(checkpointing: str = "none", **overrides) -> int:
     model = tiny_model(num_hidden_layers=LAYERS, **overrides)
     if CHECKPOINTING[checkpointing] is not None:
@@ -205,6 +209,170 @@ def test_short_reads_are_continued(tmp_path, monkeypatch):
     assert calls["short"] > 0 and stats.disk_bytes_read > 0
 
 
+@pytest.mark.parametrize("transfer", ["_pwrite", "_preadv"], ids=["writes", "reads"])
+def test_o_direct_refused_in_transfers_falls_back_to_plain_io(tmp_path, monkeypatch, transfer):
+    """A file system that takes O_DIRECT at open but refuses it in a transfer (EINVAL: a device
+    whose logical block is larger than 4 KiB, some network and FUSE file systems): the enable
+    check and the tier go on with plain I/O, for reads as for writes, bit for bit."""
+    import fcntl
+
+    real = getattr(disk_module, transfer)
+    refused = []
+
+    def refuse_direct(fd, *arguments):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            refused.append(fd)
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        return real(fd, *arguments)
+
+    monkeypatch.setattr(disk_module, transfer, refuse_direct)
+    plain, model = disk_pair(tmp_path)
+    for seed in range(2):
+        stats = same_step(plain, model, seed)
+    assert refused and stats.disk_io == "buffered"
+    assert stats.disk_offloaded_tensors > 0 and stats.disk_bytes_read > 0
+    assert_all_given_back(model, tmp_path)
+
+
+def fake_mount_table(path: Path, *mounts: tuple[str, str]) -> Path:
+    lines = [f"{i} 1 0:{i} / {point} rw,relatime shared:{i} - {kind} none rw" for i, (point, kind) in enumerate(mounts)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_memory_file_systems_are_found_by_the_deepest_mount(tmp_path, monkeypatch):
+    table = fake_mount_table(
+        tmp_path / "mountinfo",
+        ("/", "ext4"),
+        ("/dev/shm", "tmpfs"),
+        ("/scratch", "tmpfs"),
+        ("/scratch/nvme", "xfs"),
+        ("/ram\\040disk", "ramfs"),  # mountinfo escapes a space as \040
+    )
+    monkeypatch.setattr(disk_module, "_MOUNTINFO", str(table))
+    found = disk_module.memory_file_system
+    assert found("/dev/shm") == found("/dev/shm/offload") == "tmpfs"
+    assert found("/scratch/run") == "tmpfs" and found("/scratch/nvme/run") is None
+    assert found("/ram disk/x") == "ramfs"
+    assert found("/home") is None and found("/dev/shmem") is None  # a prefix of the name is not a mount
+    monkeypatch.setattr(disk_module, "_MOUNTINFO", str(tmp_path / "missing"))
+    assert found("/dev/shm") is None  # no mount table (not Linux): nothing said
+
+
+def test_a_disk_dir_in_memory_is_said_once(tmp_path, caplog):
+    """/dev/shm (tmpfs) takes the file and works, but its bytes are RAM: one warning naming the
+    path, that it is memory, and what to pass instead; none for a directory on a disk."""
+    in_memory = tempfile.mkdtemp(dir="/dev/shm")
+    try:
+        with caplog.at_level(logging.WARNING, logger="hf_offload"):
+            for directory in (in_memory, in_memory, tmp_path):
+                enable_sim(tiny_model(), disk_dir=directory)
+        said = [r.getMessage() for r in caplog.records if "file system in memory" in r.getMessage()]
+        assert len(said) == 1, said
+        assert repr(in_memory) in said[0] and "tmpfs" in said[0] and "RAM" in said[0]
+        assert "local disk" in said[0] and "disk_dir=None" in said[0] and "max_host_bytes" in said[0]
+    finally:
+        shutil.rmtree(in_memory)
+
+
+def test_out_of_file_descriptors_says_so_at_enable_time(tmp_path, monkeypatch):
+    def too_many(directory, direct):
+        raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+
+    monkeypatch.setattr(disk_module, "_open_unlinked", too_many)
+    with pytest.raises(ValueError, match="Too many open files.*as many files open as it may.*ulimit -n") as raised:
+        enable_sim(tiny_model(), disk_dir=tmp_path)
+    assert repr(str(tmp_path)) in str(raised.value)
+
+
+class _Copy:
+    """What the store needs of a copy: its staging buffer and where its bytes are on disk."""
+
+    __slots__ = ("host_block", "host_size", "disk_offset", "job", "read_error", "__weakref__")
+
+    def __init__(self, host_block) -> None:
+        self.host_block, self.host_size = host_block, host_block.size
+        self.disk_offset = self.job = self.read_error = None
+
+
+class _Context:
+    def __init__(self) -> None:
+        self.streams = SimulatedStreams()
+        self.pool = HostPool(self.streams)
+
+    def copied_out(self):
+        return self.streams.record(self.streams.copy_stream)
+
+
+def test_shutting_the_store_down_drops_the_transfers_still_queued(tmp_path, monkeypatch):
+    """At exit (or when the store is collected) with writes still queued (a KeyboardInterrupt in
+    the middle of a long forward), the transfers no one will read are dropped rather than run: the
+    exit is not held up by gigabytes of writes to a file about to vanish."""
+    started, gate, calls = threading.Event(), threading.Event(), []
+    real = disk_module._pwrite
+
+    def slow(fd, data, offset):
+        calls.append(offset)
+        started.set()
+        gate.wait(10)
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(disk_module, "_pwrite", slow)
+    context, store = _Context(), disk_module.DiskStore(str(tmp_path), 2**30, io_threads=1)
+    copies = [_Copy(context.pool.acquire(ALIGNMENT)) for _ in range(20)]
+    for each in copies:
+        store.write(each, context, context.copied_out())
+    assert started.wait(10)  # the one thread is inside the first write
+    threading.Timer(0.2, gate.set).start()
+    store._closer()  # what the interpreter's exit runs
+    assert len(calls) == 1 and store.closed
+    assert not store._threads[0].is_alive()
+
+
+def test_a_thread_still_in_a_transfer_keeps_the_descriptor_open(tmp_path, monkeypatch):
+    """A thread that does not stop in time (a hung disk) is still inside a call on the file's
+    descriptor: closing it then would let that call land in whatever file reuses the number."""
+    started, gate = threading.Event(), threading.Event()
+    real = disk_module._pwrite
+
+    def hung(fd, data, offset):
+        started.set()
+        gate.wait(10)
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(disk_module, "_pwrite", hung)
+    monkeypatch.setattr(disk_module, "JOIN_SECONDS", 0.1)
+    context, store = _Context(), disk_module.DiskStore(str(tmp_path), 2**30, io_threads=1)
+    store.write(_Copy(context.pool.acquire(ALIGNMENT)), context, context.copied_out())
+    assert started.wait(10)
+    store._closer()
+    fd = store._file.fd
+    os.fstat(fd)  # still open
+    gate.set()
+    store._threads[0].join(10)
+    os.close(fd)
+
+
+def test_a_thread_that_cannot_start_leaves_nothing_open(tmp_path, monkeypatch):
+    start = threading.Thread.start
+    started = []
+
+    def third_fails(thread):
+        if thread.name.startswith("hf_offload-disk") and len(started) == 2:
+            raise RuntimeError("can't start new thread")
+        started.append(thread)
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", third_fails)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        disk_module.DiskStore(str(tmp_path), 2**30)
+    for thread in started:
+        thread.join(10)
+        assert not thread.is_alive()
+    opened = [os.readlink(fd) for fd in Path("/proc/self/fd").iterdir() if os.path.exists(fd)]
+    assert not [path for path in opened if path.startswith(str(tmp_path))], opened
+
+
 def test_the_directory_deleted_under_training_changes_nothing(tmp_path):
     """The file has no name: removing the directory (a cleaner, a user's rm -rf) cannot take it."""
     directory = tmp_path / "offload"
@@ -238,6 +406,29 @@ def test_bytes_gone_from_the_file_fail_that_backward_clearly_and_the_next_step_r
     os.ftruncate(store._file.fd, 0)
     with pytest.raises(DiskTierError, match="could not be read back"):
         loss.backward()
+    del loss
+    collect()
+    same_step(plain, model, 2)
+    stats = same_step(plain, model, 3)
+    assert stats.disk_bytes_read > 0
+    assert_all_given_back(model, tmp_path)
+
+
+def test_no_host_memory_to_read_back_into_is_a_clear_error_and_the_next_step_runs(tmp_path, monkeypatch):
+    """Host memory gone between forward and backward (another process took it): reads ahead wait
+    for a later layer, and the read backward needs now raises DiskTierError saying so (not the
+    allocator's error from inside autograd)."""
+    plain, model = disk_pair(tmp_path)
+    same_step(plain, model, 0)
+    loss = model(input_ids=batch(seed=1), labels=batch(seed=1)).loss
+
+    def no_memory(self, size):
+        raise MemoryError(f"cannot allocate {size} bytes")
+
+    monkeypatch.setattr(HostPool, "acquire", no_memory)
+    with pytest.raises(DiskTierError, match="could not get .* bytes of host memory .*cannot allocate"):
+        loss.backward()
+    monkeypatch.undo()
     del loss
     collect()
     same_step(plain, model, 2)
@@ -341,6 +532,34 @@ def test_enabling_again_and_deep_copies_get_their_own_file(tmp_path):
     assert clone._hf_offload.engine.disk is not model._hf_offload.engine.disk
     stats = same_step(plain, clone, 2)
     assert stats.disk_offloaded_tensors > 0
+
+
+def test_enabling_again_with_the_same_directory_keeps_the_tier(tmp_path):
+    """Reconfiguring with the same disk_dir (the same options, or another max_disk_bytes) keeps the
+    same store, file and threads, with a graph alive across it, and stays bit for bit."""
+    plain, model = disk_pair(tmp_path)
+    same_step(plain, model, 0)
+    engine = model._hf_offload.engine
+    store, budget = engine.disk, engine.max_host_bytes
+    inode = os.fstat(store._file.fd).st_ino
+    for each in (plain, model):
+        each.zero_grad(set_to_none=True)
+    ids = batch(seed=1)
+    losses = [each(input_ids=ids, labels=ids).loss for each in (plain, model)]
+    assert store.held_bytes > 0
+    enable_sim(model, disk_dir=tmp_path, max_host_bytes=budget)
+    enable_sim(model, disk_dir=str(tmp_path), max_host_bytes=budget, max_disk_bytes=2**20)
+    assert engine.disk is store and not store.closed and store.max_bytes == 2**20
+    assert os.fstat(store._file.fd).st_ino == inode and all(thread.is_alive() for thread in store._threads)
+    for loss in losses:
+        loss.backward()
+    assert_bit_identical(
+        {n: p.grad for n, p in plain.named_parameters()}, {n: p.grad for n, p in model.named_parameters()}
+    )
+    del losses, loss
+    stats = same_step(plain, model, 2)
+    assert stats.disk_offloaded_tensors > 0 and engine.disk is store
+    assert_all_given_back(model, tmp_path)
 
 
 CHILD = textwrap.dedent(

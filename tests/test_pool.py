@@ -11,10 +11,9 @@ import random
 import torch
 from conftest import batch, enable_sim, tiny_model, train_step
 
-from hf_offload.engine.pool import ALIGNMENT, HostPool, rounded_size
+from hf_offload.engine.pool import ALIGNMENT, HostBudget, HostPool, rounded_size
 from hf_offload.engine.streams import MetaStreams, SimulatedStreams, registered_host_empty
 
-UNLIMITED = 2**62
 LAYERS = 31  # Llama-3-8B's offloaded layers (32, the last kept)
 HIDDEN = 4096
 
@@ -32,7 +31,7 @@ def full_offload(tokens: int) -> list[int]:
 def run_step(pool: HostPool, sizes: list[int], size_of=rounded_size) -> int:
     """One step: buffers taken layer by layer in forward, given back in reverse in backward.
     Returns the bytes the pool owned at the step's peak."""
-    buffers = [pool.acquire(size_of(nbytes), UNLIMITED) for nbytes in sizes]
+    buffers = [pool.acquire(size_of(nbytes)) for nbytes in sizes]
     owned = pool.owned_bytes
     for buffer in reversed(buffers):
         pool.release(buffer)
@@ -104,11 +103,11 @@ def test_scattered_releases_converge_to_one_slab_and_stop_allocating():
         generator.shuffle(order)
         held = {}
         for index in order[:32]:
-            held[index] = pool.acquire(sizes[index], UNLIMITED)
+            held[index] = pool.acquire(sizes[index])
         for index in order[:16]:
             pool.release(held.pop(index))
         for index in order[32:]:
-            held[index] = pool.acquire(sizes[index], UNLIMITED)
+            held[index] = pool.acquire(sizes[index])
         for buffer in held.values():
             pool.release(buffer)
 
@@ -123,7 +122,7 @@ def test_scattered_releases_converge_to_one_slab_and_stop_allocating():
 
 def test_buffers_are_aligned_for_direct_io_and_hold_their_bytes():
     pool = HostPool(SimulatedStreams())
-    buffers = [pool.acquire(rounded_size(n), UNLIMITED) for n in (1, 5000, 4096, 123457)]
+    buffers = [pool.acquire(rounded_size(n)) for n in (1, 5000, 4096, 123457)]
     for value, buffer in enumerate(buffers):
         assert buffer.data_ptr() % ALIGNMENT == 0 and buffer.size % ALIGNMENT == 0
         buffer.view(buffer.size).fill_(value)
@@ -132,10 +131,10 @@ def test_buffers_are_aligned_for_direct_io_and_hold_their_bytes():
 
 
 def test_over_the_limit_free_slabs_are_given_back():
-    pool = HostPool(MetaStreams(torch.device("meta")))
+    pool = HostPool(MetaStreams(torch.device("meta")), HostBudget(limit=ALIGNMENT * 40))
     run_step(pool, [ALIGNMENT * 4] * 4)
     assert pool.owned_bytes == ALIGNMENT * 16
-    big = pool.acquire(ALIGNMENT * 32, limit=ALIGNMENT * 40)
+    big = pool.acquire(ALIGNMENT * 32)
     assert pool.owned_bytes == ALIGNMENT * 32  # the small slabs went first
     pool.release(big)
 

@@ -141,7 +141,10 @@ def test_batches_ulysses_would_train_on_differently_are_refused_on_every_rank(ru
     """Packed documents under sdpa (refused on both ranks although only rank 1's batch is packed:
     neither waits for the other in a collective), left padding, a batch of the wrong size, a
     loader whose last batch would be short, a world size sp_size does not divide, a batch
-    without position_ids or shift_labels: each a ValueError saying what to do."""
+    without position_ids or shift_labels, a model in eval mode under Ulysses as accelerate
+    registers it (off in eval mode: each rank would attend within its shard), accelerate counting
+    one process of two (on the CPU without being told: every rank would get the whole loader):
+    each a ValueError saying what to do."""
     for rank, result in enumerate(runs["refusals"]):
         errors = result["errors"]
         expected = {
@@ -153,12 +156,66 @@ def test_batches_ulysses_would_train_on_differently_are_refused_on_every_rank(ru
             "world_size": "sp_size=4 does not divide the world size 2",
             "no_position_ids": "no position_ids",
             "no_shift_labels": "no shift_labels",
+            "eval_mode": "Call model.train()",
+            "accelerate_one_process": "accelerate counts 1 process(es) of the world's 2",
         }
         for key, text in expected.items():
             assert errors[key] is not None and errors[key].startswith("ValueError") and text in errors[key], (
                 key,
                 errors[key],
             )
+
+
+def test_ranks_holding_the_same_batches_are_refused(runs):
+    """Every rank loading the same batches (a DataLoader without a DistributedSampler) would train
+    each row once per rank: refused on both ranks once the first two batches of the pass matched,
+    naming the sampler and the way to allow it; allowed, the same batches train. A first batch the
+    same by chance and a second different is not refused, nor are batches of their own; a loader
+    of one batch is decided on it."""
+    for result in runs["identical_batches"]:
+        assert "error" not in result, result.get("traceback")
+        same = result["same"]
+        assert same["steps"] == 2 and same["error"].startswith("ValueError"), same  # after the first batch's 2 steps
+        for text in ("SP ranks [0, 1] hold the same batches", "DistributedSampler(dataset, drop_last=True)",
+                     "allow_identical_batches=True"):  # fmt: skip
+            assert text in same["error"]
+        assert result["one_batch"]["steps"] == 0 and "hold the same batches" in result["one_batch"]["error"]
+        for key in ("same_allowed", "first_by_chance", "own"):
+            assert result[key] == {"steps": 4, "error": None}, (key, result[key])
+
+
+def test_the_docs_recipes_train_every_row_once_as_one_process_would(runs):
+    """docs/sequence_parallel.md's loop, accelerate and Trainer recipes, run as written there on 2
+    CPU ranks: the 4 rows are each trained once (without the DistributedSampler, use_cpu=True or
+    PartialState(cpu=True) each would be trained twice), and each micro-batch's loss is one
+    process's on the same rows with the recipe's optimizer (the Trainer: the first micro-batch's)."""
+    for rank, result in enumerate(runs["docs_recipes"]):
+        assert "error" not in result, result.get("traceback")
+        for recipe in ("loop", "accelerate", "trainer"):
+            run = result[recipe]
+            assert run["rows_once"] and run["micro_batches"] == 4, (rank, recipe, run)
+            assert run["loss_rel"] < 1e-5, (rank, recipe, run["losses"], run["reference_losses"])
+
+
+def test_tiling_enabled_after_register_ulysses_tiles_the_heads_inside_it(runs):
+    """register_ulysses hands DeepSpeed a function that looks transformers' attention up at each
+    call: tiling enabled afterwards reaches every attention call (2 key/value heads per rank, split
+    in 2 groups), and loss and gradients still match one process. Before, Ulysses called the
+    function it found at registration and the heads ran whole."""
+    for result in runs["late_tiling"]:
+        assert "error" not in result, result.get("traceback")
+        assert result["head_tiled_calls"] > 0
+        assert result["loss_rel"] < LOSS and result["grad_rel"] < FLOAT64_GRAD, result["worst"]
+
+
+def test_unregister_ulysses_leaves_the_attention_registry_as_it_was(runs):
+    """DeepSpeed registers Ulysses in ALL_ATTENTION_FUNCTIONS's own mapping; unregistering removes
+    that entry (an entry left there, even the original function, shadows a later
+    AttentionInterface.register), and puts back an override that was there before."""
+    for result in runs["attention_registry"]:
+        assert "error" not in result, result.get("traceback")
+        assert result["registered_locally"] and not result["left_behind"]
+        assert result["later_registration_seen"] and result["override_restored"]
 
 
 def test_the_multi_gpu_script_runs_on_the_cpu(runs):
@@ -229,6 +286,24 @@ def test_without_a_process_group_the_error_says_how_to_launch():
     pytest.importorskip("deepspeed")
     with pytest.raises(RuntimeError, match=r"torchrun.*init_process_group"):
         sp.register_ulysses(tiny_model("llama"), 2)
+
+
+def test_on_the_cpu_deepspeed_communication_is_asked_for_before_accelerate_asserts(monkeypatch):
+    """A process launched with two ranks on the CPU whose DeepSpeed communication is not set up
+    (the Trainer and accelerate set up only torch's group there): the error names the call to
+    make, where DeepSpeed's prepare would fail on a bare assert. Companion: once set up, the check
+    passes."""
+    pytest.importorskip("deepspeed")
+    from deepspeed import comm
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delitem(sys.modules, "accelerate.state", raising=False)  # no accelerate state of other tests
+    monkeypatch.setattr(sp.torch.accelerator, "is_available", lambda: False)
+    monkeypatch.setattr(comm, "is_initialized", lambda: False)
+    with pytest.raises(RuntimeError, match=r"deepspeed\.init_distributed\(dist_backend='gloo'\) first"):
+        sp.check_sequence_parallel(tiny_model("llama"), 2)
+    monkeypatch.setattr(comm, "is_initialized", lambda: True)
+    assert sp.check_sequence_parallel(tiny_model("llama"), 2) == "sdpa"
 
 
 def test_a_model_without_a_transformers_config_is_refused():

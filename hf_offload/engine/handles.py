@@ -4,6 +4,11 @@ A handle lives exactly as long as the autograd graph that saved it, so the host 
 freed when the graph is (after backward, or when a forward's graph is dropped unused), it can
 be unpacked any number of times (`retain_graph=True`), and any number of forwards may be
 alive at once. There is no global registry to go stale.
+
+One case where the graph outlives its last reference: a backward that raised (a DiskTierError,
+a KeyboardInterrupt while it waited for the disk) leaves the nodes it had not run in torch's
+queue of ready work, which the next backward clears (torch 2.13, with any saved-tensor hook that
+raises). Until then their host buffers and disk extents stay held.
 """
 
 from __future__ import annotations
@@ -35,13 +40,12 @@ COPIED_AS_ITSELF = frozenset(
 
 
 class HostLedger:
-    """Host and device memory held by one offloader, for the statistics, and the host budget."""
+    """Copies alive and device memory held by one offloader, for the statistics (the host memory
+    held is the pools', in their `HostBudget`)."""
 
-    __slots__ = ("host_bytes", "copies_alive", "device_bytes", "peak_device_bytes", "max_host_bytes")
+    __slots__ = ("copies_alive", "device_bytes", "peak_device_bytes")
 
     def __init__(self) -> None:
-        self.max_host_bytes = 0
-        self.host_bytes = 0
         self.copies_alive = 0
         self.device_bytes = 0  # sources whose copy out is in flight, copies brought back ahead
         self.peak_device_bytes = 0
@@ -202,7 +206,7 @@ class HostCopy:
         """Needed now and on disk: read it (or wait for the read ahead already under way)."""
         store, context = self.store, self._device
         if self.job is None and self.read_error is None:
-            store.read(self, context, context.ledger.max_host_bytes, needed_now=True)
+            store.read(self, context, needed_now=True)
         if self.job is not None:
             store.wait(self.job)
         if self.read_error is not None or self.host_block is None:
@@ -216,12 +220,21 @@ class HostCopy:
     def drop_staging(self) -> None:
         """Backward has passed this copy's layer: give back the buffer it was read into."""
         if self.disk_offset is not None and self.host_block is not None and self.job is None:
-            context, block = self._device, self.host_block
+            block = self.host_block
             self.host_block = None
-            context.pool.release(block)
-            context.ledger.host_bytes -= block.size
+            self._device.pool.release(block)
 
     def __del__(self) -> None:
+        try:
+            inherited = self._device.inherited
+        except (AttributeError, TypeError):
+            # At interpreter exit, with the modules' globals already cleared (a graph torch still
+            # holds then): the process ends, and nothing it holds needs giving back.
+            return
+        if inherited:
+            # A forked child dropping the graph it inherited: the buffer, the extent and the device
+            # memory are the parent's (`forks`); there is nothing here to give back or wait for.
+            return
         self.drop_ahead()
         job = self.job
         if job is None or not self.store.orphan(job):
@@ -229,7 +242,6 @@ class HostCopy:
             # back its buffer and extent itself when it is settled).
             if self.host_block is not None:
                 self._device.pool.release(self.host_block)
-                self._device.ledger.host_bytes -= self.host_block.size
             if self.disk_offset is not None:
                 self.store.release(self.disk_offset, self.host_size)
         self._device.ledger.copies_alive -= 1

@@ -34,11 +34,11 @@ from copy import deepcopy
 
 import torch
 
-from . import ordering
+from . import forks, ordering
 from .disk import DiskStore
 from .handles import HostCopy, HostLedger, OffloadedTensor
 from .planner import place_tiers, plan
-from .pool import HostPool, rounded_size
+from .pool import HostBudget, HostPool, rounded_size
 from .stats import LifetimeCounters, OffloadStats, StepCounters
 from .streams import flat_bytes, streams_for
 
@@ -116,31 +116,37 @@ class _InFlight:
 
 class DeviceContext:
     """Streams, pinned pool and ledger for one device (a model split over several GPUs gets one
-    copy stream and one pool per GPU)."""
+    copy stream and one pool per GPU, charged to the engine's one host budget)."""
 
-    def __init__(self, device: torch.device, ledger: HostLedger) -> None:
+    def __init__(self, device: torch.device, ledger: HostLedger, budget: HostBudget) -> None:
         self.device = device
         # What Tensor.get_device() answers for tensors on this device (-1 on the CPU and the meta
         # device): cheaper to compare than torch.device objects.
         self.device_index = torch.empty(0, device=device).get_device()
         self.streams = streams_for(device)
-        self.pool = HostPool(self.streams)
+        self.pool = HostPool(self.streams, budget)
         self.ledger = ledger
+        self.owner = forks.this_process()
+
+    @property
+    def inherited(self) -> bool:
+        """This process is a fork of the one that made the context: its streams, pool and the
+        copies made with it are the parent's."""
+        return not forks.made_here(self.owner)
 
     def offload_async(self, copies: list[HostCopy], engine: ActivationOffloader) -> _InFlight | None:
         streams = self.streams
-        acquire, limit = self.pool.acquire, engine.max_host_bytes
+        acquire = self.pool.acquire
         pairs, placed = [], []
-        host_bytes = nbytes = 0
+        nbytes = 0
         for copy in copies:
             try:
-                host = acquire(copy.host_size, limit)
+                host = acquire(copy.host_size)
             except (RuntimeError, MemoryError) as error:
                 # The tensor simply stays on the device: its handle keeps the source.
                 engine.host_allocation_failed(copy, error)
                 continue
             copy.host_block = host
-            host_bytes += host.size
             nbytes += copy.nbytes
             if copy.whole:
                 pairs.append((host.typed(copy.dtype, copy.shape, copy.stride), copy.version_probe))
@@ -153,7 +159,6 @@ class DeviceContext:
             placed.append(copy)
         if not placed:
             return None
-        self.ledger.host_bytes += host_bytes
         ordering.before_offload_copies(streams, streams.compute_stream())
         for copy in placed:
             if copy.version_probe._version != copy.version:
@@ -350,7 +355,7 @@ class LayerGroup:
         storage_bytes = storage.nbytes()
         needed = rounded_size(storage_bytes)
         store = None
-        if self.to_disk or engine.ledger.host_bytes + self.pending_bytes + needed > engine.host_room:
+        if self.to_disk or engine.budget.held + self.pending_bytes + needed > engine.host_room:
             store = engine.tier_for(self, needed)
             if store is False:
                 engine.over_budget(needed, self.pending_bytes)
@@ -431,7 +436,9 @@ def place_layers(layer_bytes, offloaded_layers: int, *, host_bytes: int, disk_by
 class ActivationOffloader:
     def __init__(self, **options) -> None:
         self.ledger = HostLedger()
+        self.budget = HostBudget()  # max_host_bytes and what the pools hold of it
         self.disk: DiskStore | None = None
+        self._owner = forks.this_process()
         self.configure(**options)
         self.step = StepCounters()
         self.lifetime = LifetimeCounters()
@@ -489,22 +496,55 @@ class ActivationOffloader:
         disk_dir: str | None = None,
         max_disk_bytes: int | None = None,
     ) -> None:
-        if disk_dir is not None:
+        if not forks.made_here(self._owner):
+            self._after_fork()
+        disk_bytes = sys.maxsize if max_disk_bytes is None else max_disk_bytes
+        store = self.disk
+        if disk_dir is not None and store is not None and store.directory == disk_dir:
+            # The same directory: the same file and threads, and the tensors in it stay where they are.
+            store.max_bytes = disk_bytes
+        elif disk_dir is not None:
             # Opened first: if the directory fails us now, the engine stays as it was.
-            store = DiskStore(disk_dir, sys.maxsize if max_disk_bytes is None else max_disk_bytes)
+            store = DiskStore(disk_dir, disk_bytes)
         else:
             store = None
         self.min_offload_bytes = min_offload_bytes
         self.simulate_on_cpu = simulate_on_cpu
         self.prefetch_layers = prefetch_layers
-        self.max_host_bytes = max_host_bytes
-        self.ledger.max_host_bytes = max_host_bytes
+        self.budget.limit = max_host_bytes
         self.max_device_bytes = max_device_bytes
         self.disk_dir = disk_dir
         self.max_disk_bytes = max_disk_bytes
-        if self.disk is not None:
+        if self.disk is not None and self.disk is not store:
             self.disk.close()  # the copies still in it keep it until they die
         self.disk = store
+
+    @property
+    def max_host_bytes(self) -> int:
+        return self.budget.limit
+
+    def _after_fork(self) -> None:
+        """This process is a fork of the one that made the engine's streams, pools and disk store,
+        which stay the parent's (`forks`): the copies of the graphs inherited keep them, inert.
+        From here on the engine works with its own, made as it first needs them; the disk tier
+        gets a file and threads of its own in the same directory."""
+        self._owner = forks.this_process()
+        self._lock = threading.RLock()  # another thread may have held it at the fork
+        self.ledger = HostLedger()
+        self.budget = HostBudget(self.budget.limit)
+        self._devices = {}
+        self._in_flight.clear()  # the parent's copies out, on the parent's copy stream
+        # The graphs inherited are the parent's: the child's passes neither chain to their layers
+        # (backward would read ahead into them) nor count as their step.
+        self._holding_ahead = []
+        self._last_group = self._backward_group = None
+        self._step_groups = weakref.WeakSet()
+        self._kept_resident.clear()
+        self._kept_resident_bytes = 0
+        self._disk_at_step_start = (0, 0, 0.0, 0.0, 0.0)
+        self._reads_waited_at_step_start = 0
+        if self.disk is not None:
+            self.disk = self.disk.reopened()
 
     def options(self) -> dict[str, object]:
         return {
@@ -519,7 +559,10 @@ class ActivationOffloader:
 
     def close(self) -> None:
         """Offloading is disabled: the disk tier's file and threads go (once no live graph holds a
-        tensor in it), and the host pools give back their free buffers."""
+        tensor in it), and the host pools give back their free buffers. In a forked child, only
+        what the child made itself."""
+        if not forks.made_here(self._owner):
+            self._devices = {}  # the parent's; the disk store below is too, and closes nothing
         if self.disk is not None:
             self.disk.close()
             self.disk = None
@@ -537,10 +580,10 @@ class ActivationOffloader:
         """Where a copy of `nbytes` goes when the plan puts its layer on disk or the host tier
         has no room for it: the disk store, None for host memory, False for neither (it stays on
         the device)."""
-        ledger = self.ledger
+        budget = self.budget
 
         def host_fits() -> bool:
-            return ledger.host_bytes + group.pending_bytes + nbytes <= self.max_host_bytes
+            return budget.has_room(group.pending_bytes + nbytes)
 
         if group.to_disk:
             store = self.disk_for(group, nbytes)
@@ -548,8 +591,8 @@ class ActivationOffloader:
         if self._disk_positions is not None and not host_fits():  # planned: a disk tier exists
             # A layer the plan keeps in host memory: what fills it is the staging buffers of the
             # disk layers' writes still in flight, which the plan counted; wait for them.
-            self.disk.wait_for_room(group.device, group.pending_bytes + nbytes, self.max_host_bytes)
-        if ledger.host_bytes + group.pending_bytes + nbytes <= self.host_room:  # within the budget: host_room <= it
+            self.disk.wait_for_room(budget, group.pending_bytes + nbytes)
+        if budget.held + group.pending_bytes + nbytes <= self.host_room:  # within the budget: host_room <= it
             return None
         store = self.disk_for(group, nbytes)
         return store if store is not None else (None if host_fits() else False)
@@ -560,10 +603,10 @@ class ActivationOffloader:
         store = self.disk
         if store is None or not store.accepts(group.disk_pending + nbytes):
             return None
-        limit, ledger = self.max_host_bytes, self.ledger
-        if ledger.host_bytes + group.pending_bytes + nbytes > limit:
-            store.wait_for_room(group.device, group.pending_bytes + nbytes, limit)
-            if ledger.host_bytes + group.pending_bytes + nbytes > limit:
+        budget = self.budget
+        if not budget.has_room(group.pending_bytes + nbytes):
+            store.wait_for_room(budget, group.pending_bytes + nbytes)
+            if not budget.has_room(group.pending_bytes + nbytes):
                 return None
         return store
 
@@ -611,7 +654,7 @@ class ActivationOffloader:
             layers_kept_for_budget=step.layers_kept_for_budget,
             planned_peak_bytes=step.planned_peak_bytes,
             plan_tokens=step.plan_tokens,
-            host_bytes_held=self.ledger.host_bytes,
+            host_bytes_held=self.budget.held,
             live_host_copies=self.ledger.copies_alive,
             pool_bytes=sum(pool.owned_bytes for pool in pools),
             pool_free_bytes=sum(pool.free_bytes for pool in pools),
@@ -655,7 +698,7 @@ class ActivationOffloader:
     def over_budget(self, nbytes: int, pending: int) -> None:
         self._warn_once(
             "budget",
-            f"hf_offload: host memory budget reached: {self.ledger.host_bytes + pending} bytes offloaded and "
+            f"hf_offload: host memory budget reached: {self.budget.held + pending} bytes offloaded and "
             f"{nbytes} more would exceed max_host_bytes={self.max_host_bytes}; tensors over the budget stay on "
             "the device (counted as kept 'over_budget'). Raise max_host_bytes or free host memory to offload more.",
         )
@@ -718,13 +761,15 @@ class ActivationOffloader:
         if device.type == "cpu" and not self.simulate_on_cpu:
             self.note_no_accelerator()
             return None
+        if starts_pass and not forks.made_here(self._owner):  # before taking the lock
+            self._after_fork()
         with self._lock:
             if starts_pass:
                 self._start_pass(device, pass_protected, tokens)
             self.lifetime.layer_scopes += 1
             context = self._devices.get(device)
             if context is None:
-                context = self._devices[device] = DeviceContext(device, self.ledger)
+                context = self._devices[device] = DeviceContext(device, self.ledger, self.budget)
                 self.mode = "cpu-simulation" if device.type == "cpu" else device.type
             self._sequence += 1
             position = self._position
@@ -866,7 +911,7 @@ class ActivationOffloader:
         chosen = place_layers(
             layer_bytes,
             offloaded,
-            host_bytes=self.max_host_bytes - self.ledger.host_bytes,
+            host_bytes=self.max_host_bytes - self.budget.held,
             disk_bytes=store.max_bytes - store.held_bytes,
         )
         self.step.planned_disk_layers = chosen.disk_layers
@@ -1017,7 +1062,6 @@ class ActivationOffloader:
         ):
             group.late_pending = True
             reach = 0  # the rest at `prefetch_point`
-        limit = self.max_host_bytes
         current: LayerGroup | None = group
         for distance in range(max(reach, read_reach) + 1):
             if current is None:
@@ -1030,7 +1074,7 @@ class ActivationOffloader:
                         copy.job is None
                         and copy.on_disk()
                         and copy.needs_restore()
-                        and not copy.store.read(copy, current.device, limit, needed_now=distance == 0)
+                        and not copy.store.read(copy, current.device, needed_now=distance == 0)
                     ):
                         # No host room for more reads ahead now, for this layer or a farther one
                         # (which would take the room this one waits for): again at the next layer.

@@ -30,10 +30,13 @@ buffers outside the copy stream, order themselves (`engine/disk.py`).
 
 from __future__ import annotations
 
-import bisect
+import sys
 import threading
 
 import torch
+
+from . import forks
+from .extents import ExtentMap
 
 # Bytes: a page, and the logical block size O_DIRECT asks alignment to on every common file system.
 ALIGNMENT = 4096
@@ -83,14 +86,13 @@ class HostBuffer:
 
 
 class _Slab:
-    """One host allocation and its free extents (by start and by end, for merging)."""
+    """One host allocation: its bytes in use and the views made of it (its free extents are in the
+    pool's `ExtentMap`, under the slab's number)."""
 
-    __slots__ = ("memory", "size", "number", "free_start", "free_end", "used", "views")
+    __slots__ = ("memory", "size", "number", "used", "views")
 
     def __init__(self, memory: torch.Tensor, size: int, number: int) -> None:
         self.memory, self.size, self.number = memory, size, number
-        self.free_start: dict[int, int] = {0: size}  # offset -> length
-        self.free_end: dict[int, int] = {size: 0}  # end -> offset
         self.used = 0
         self.views: dict[tuple[int, int], HostBuffer] = {}
 
@@ -104,14 +106,39 @@ class _Slab:
         return buffer
 
 
+class HostBudget:
+    """Host memory for offloaded activations, in one place: the most they may take (`limit`,
+    max_host_bytes) and what the pools hold of it now (`held`: buffers handed out, host copies and
+    the disk tier's staging buffers alike). One per offloader, shared by its pools (one per device),
+    which alone change `held` (`charge`), whatever thread gives a buffer back."""
+
+    __slots__ = ("limit", "held", "_lock")
+
+    def __init__(self, limit: int = sys.maxsize) -> None:
+        self.limit = limit
+        self.held = 0
+        self._lock = threading.Lock()
+
+    def has_room(self, nbytes: int) -> bool:
+        return self.held + nbytes <= self.limit
+
+    def charge(self, nbytes: int) -> None:
+        """`nbytes` more held (fewer, if negative)."""
+        with self._lock:
+            self.held += nbytes
+
+
 class HostPool:
-    def __init__(self, streams) -> None:
+    """The pooled host buffers of one device, charged to a `HostBudget` (its own, unlimited, if
+    none is given). Made in one process, it is inert in a process forked from it (`forks`)."""
+
+    def __init__(self, streams, budget: HostBudget | None = None) -> None:
         self._streams = streams
+        self.budget = budget if budget is not None else HostBudget()
+        self._owner = forks.this_process()
         self._slabs: dict[int, _Slab] = {}  # by number, in order of allocation
-        # Free extents of every slab, best fit first: (length, slab number, offset).
-        self._extents: list[tuple[int, int, int]] = []
+        self._free = ExtentMap()  # free extents of every slab, the region being the slab's number
         self._numbers = 0
-        self.free_bytes = 0
         self.owned_bytes = 0
         self.allocations = 0
         self.in_use_bytes = 0
@@ -120,18 +147,25 @@ class HostPool:
         self._cycle_peak = 0
         self._cycle_start_bytes = 0  # what the pool owned when the cycle began
         self._cycle_short = False
-        self._limit = 0  # the limit of the last request
         self._consolidate_to = 0  # when idle: replace the slabs by one of this many bytes
         # HostCopy.__del__ releases buffers on whatever thread drops the graph (autograd's
         # device threads included).
         self._lock = threading.Lock()
 
-    def acquire(self, size: int, limit: int) -> HostBuffer:
-        """A buffer of `size` bytes (a `rounded_size`), carved from a free extent; a new slab only
-        if none holds it, after giving back free slabs if the pool would then own more than
-        `limit` bytes."""
+    @property
+    def free_bytes(self) -> int:
+        return self._free.free_bytes
+
+    def acquire(self, size: int) -> HostBuffer:
+        """A buffer of `size` bytes (a `rounded_size`), carved from a free extent, charged to the
+        budget; a new slab only if none holds it, after giving back free slabs if the pool would
+        then own more than the budget's limit. The caller decides whether the budget has room."""
+        if not forks.made_here(self._owner):
+            raise RuntimeError(
+                "hf_offload: this host pool belongs to the process this one was forked from; its buffers are "
+                "that process's memory"
+            )
         with self._lock:
-            self._limit = limit
             if not self.in_use_bytes:
                 if self._consolidate_to:
                     self._consolidate()
@@ -145,29 +179,35 @@ class HostPool:
                 outgrown = [slab for slab in self._slabs.values() if not slab.used and slab.size < size]
                 if outgrown:
                     self._drop(outgrown)
-                if self.owned_bytes + size > limit:
+                if self.owned_bytes + size > self.budget.limit:
                     self._trim()
                 self._add_slab(size)
                 buffer = self._carve(size)
                 assert buffer is not None
             self.in_use_bytes += size
+            self.budget.charge(size)
             if self.in_use_bytes > self._cycle_peak:
                 self._cycle_peak = self.in_use_bytes
             return buffer
 
     def release(self, buffer: HostBuffer) -> None:
+        if not forks.made_here(self._owner):
+            return  # the buffer and its bookkeeping are the parent's
         with self._lock:
             slab = buffer.slab
             self.in_use_bytes -= buffer.size
+            self.budget.charge(-buffer.size)
             if slab is None or slab.memory is None:
                 return  # a slab already given back (cannot happen while a buffer is in use)
             slab.used -= buffer.size
-            self._free_extent(slab, buffer.offset, buffer.size)
+            self._free.give(slab.number, buffer.offset, buffer.size)
             if not self.in_use_bytes:
                 self._end_cycle()
 
     def trim(self) -> None:
         """Give every wholly free slab back (and the allocator's cache of them, where it keeps one)."""
+        if not forks.made_here(self._owner):
+            return
         with self._lock:
             self._trim()
 
@@ -185,7 +225,7 @@ class HostPool:
         # nothing of this: its new slabs are exact, and the outgrown ones were dropped. Never past
         # the host budget, unless one step's buffers alone exceeded it.
         if self._cycle_short and self._cycle_peak <= self._cycle_start_bytes:
-            self._consolidate_to = min(self.owned_bytes, max(self._limit, self._cycle_peak))
+            self._consolidate_to = min(self.owned_bytes, max(self.budget.limit, self._cycle_peak))
         self._cycle_peak = 0
         self._cycle_short = False
 
@@ -203,9 +243,8 @@ class HostPool:
         slab = _Slab(memory, size, self._numbers)
         self._numbers += 1
         self._slabs[slab.number] = slab
-        bisect.insort(self._extents, (size, slab.number, 0))
+        self._free.give(slab.number, 0, size)
         self.owned_bytes += size
-        self.free_bytes += size
         self.allocations += 1
 
     def _allocate(self, size: int) -> torch.Tensor:
@@ -220,53 +259,23 @@ class HostPool:
         return memory[skip : skip + size]
 
     def _drop(self, slabs: list[_Slab]) -> None:
-        dropped = {slab.number for slab in slabs}
+        """Give back wholly free slabs (each is then one free extent, its whole size)."""
         # Copies out of or into these slabs may still be queued on the copy stream: memory
         # handed back to the system (rather than to torch's caching host allocator, which
         # orders itself) must wait for them.
         self._streams.quiesce_host()
         for slab in slabs:
+            self._free.remove(slab.number, 0, slab.size)
             self.owned_bytes -= slab.size
-            self.free_bytes -= slab.size
             slab.memory = None  # type: ignore[assignment]
             slab.views.clear()
-        for number in dropped:
-            del self._slabs[number]
-        self._extents = [extent for extent in self._extents if extent[1] not in dropped]
+            del self._slabs[slab.number]
 
     def _carve(self, size: int) -> HostBuffer | None:
-        extents = self._extents
-        index = bisect.bisect_left(extents, (size, -1, -1))
-        if index == len(extents):
+        found = self._free.take(size)
+        if found is None:
             return None
-        length, number, offset = extents.pop(index)
+        number, offset = found
         slab = self._slabs[number]
-        del slab.free_start[offset]
-        del slab.free_end[offset + length]
-        if length > size:
-            rest = offset + size
-            slab.free_start[rest] = length - size
-            slab.free_end[offset + length] = rest
-            bisect.insort(extents, (length - size, number, rest))
         slab.used += size
-        self.free_bytes -= size
         return slab.buffer(offset, size)
-
-    def _free_extent(self, slab: _Slab, offset: int, size: int) -> None:
-        extents, number = self._extents, slab.number
-        self.free_bytes += size
-        start, end = offset, offset + size
-        before = slab.free_end.pop(start, None)  # a free extent ending where this one starts
-        if before is not None:
-            length = start - before
-            del slab.free_start[before]
-            extents.pop(bisect.bisect_left(extents, (length, number, before)))
-            start = before
-        after = slab.free_start.pop(end, None)  # a free extent starting where this one ends
-        if after is not None:
-            del slab.free_end[end + after]
-            extents.pop(bisect.bisect_left(extents, (after, number, end)))
-            end += after
-        slab.free_start[start] = end - start
-        slab.free_end[end] = start
-        bisect.insort(extents, (end - start, number, start))

@@ -84,8 +84,8 @@ class OffloadStats:
     to disk, from `layers_on_disk` layer calls (`planned_disk_layers` is the plan's number, None
     while the first step measures); `disk_bytes_written`/`_read` this step (whole aligned
     extents), `disk_write_gbps`/`disk_read_gbps` the rate of those transfers (bytes over the
-    seconds each took, from the copy out's end to the last byte), `disk_wait_seconds` how long the
-    training thread waited on the disk (0 when the disk hid behind compute), `disk_bytes_held` the
+    seconds each took, from the copy out's end to the last byte), `disk_wait_seconds` how long
+    forward and backward waited on the disk (0 when the disk hid behind compute), `disk_bytes_held` the
     file's bytes in use now, `disk_io` "O_DIRECT" or "buffered".
     """
 

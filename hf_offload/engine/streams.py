@@ -26,6 +26,8 @@ from collections.abc import Iterator
 
 import torch
 
+from . import forks
+
 logger = logging.getLogger("hf_offload")
 
 GARBAGE_BYTE = 0xFF  # all-ones bytes are NaN in every floating dtype
@@ -47,6 +49,10 @@ def registered_host_empty(nbytes: int, cudart=None) -> torch.Tensor | None:
     registered with CUDA (cudaHostRegister), unregistered when the last view of it is gone. None
     where CUDA's runtime cannot do it (then `pinned_empty` is the way).
 
+    The mapping is shared (`mmap`'s default): after a fork the parent's pages stay where its DMA
+    mappings point (a private mapping would be copied on the parent's next write); a forked child
+    sees them but never writes them, nor unregisters them (the pool is inert there, `forks`).
+
     Why not `pinned_empty`: torch's caching host allocator rounds every pinned block up to a
     power of two (to reuse blocks across sizes), which would undo the pool's exact sizes: 150 GiB
     of layer inputs would take 256 GiB of pinned memory. CUDA copies from registered memory as
@@ -65,8 +71,15 @@ def registered_host_empty(nbytes: int, cudart=None) -> torch.Tensor | None:
     if int(cudart.cudaHostRegister(address, nbytes, 0)) != 0:
         return None
     # Before the memory is unmapped: the mapping lives as long as any view of the tensor.
-    weakref.finalize(memory, cudart.cudaHostUnregister, address)
+    weakref.finalize(memory, _unregister, cudart, address, forks.this_process())
     return tensor
+
+
+def _unregister(cudart, address: int, owner: int) -> None:
+    # Only where it was registered: a forked child that drops its copy of the slab must neither
+    # call into the parent's CUDA context nor undo the parent's registration.
+    if forks.made_here(owner):
+        cudart.cudaHostUnregister(address)
 
 
 def empty_host_cache() -> None:

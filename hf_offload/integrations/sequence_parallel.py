@@ -20,8 +20,10 @@ What this module adds to DeepSpeed's pieces, for a custom loop:
   `position_ids` gets the ones transformers would use on one process, a sequence not divisible
   by `sp_size` is padded at its end (labels ignored, so nothing changes), and batches Ulysses
   would train on differently from one process (left padding, packed documents under sdpa) are
-  refused on every rank at once, so that no rank waits forever in a collective. Each batch comes
-  on the process's device, contiguous.
+  refused on every rank at once, so that no rank waits forever in a collective. So are ranks
+  that hold the same batches (a loader without a `DistributedSampler`): Ulysses trains every
+  rank's batch in turn, so each row would be trained once per rank. Each batch comes on the
+  process's device, contiguous.
 - `Ulysses.loss(model, batch)` (and the function `sequence_parallel_loss`) runs the model on the
   rank's shard with `shift_labels` and `num_items_in_batch` set to the whole group's count of
   labelled tokens, and sums the ranks' parts: the loss one process would report on the whole
@@ -34,7 +36,10 @@ DeepSpeed is imported only when one of these is called (`pip install "hf-offload
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import os
 import re
+import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -50,8 +55,14 @@ _PACKING_ATTENTION = ("flash_attention_2", "flash_attention_3")
 _HUB_KERNEL = re.compile(r"^[^/:]+/[^/:]+(?:@[^/:]+)?(?::[^/:]+)?$")
 INSTALL_HINT = 'pip install "hf-offload[sp]" (DeepSpeed >= 0.18.2)'
 
-# What register_ulysses changed in this process: {"implementation", "original", "ulysses"}.
+# What register_ulysses changed in this process: {"implementation", "local", "ulysses"}; "local" is
+# what ALL_ATTENTION_FUNCTIONS's own (instance) mapping held for the implementation before, or _ABSENT.
 _REGISTERED: dict = {}
+_ABSENT = object()
+# Ranks holding identical batches are refused only when they did for this many batches in a row at
+# the start of a pass (fewer if the loader has fewer): a dataset that repeats rows can give two ranks
+# the same batch by chance, twice in a row far more rarely.
+IDENTICAL_BATCHES_CHECKED = 2
 
 
 def _deepspeed():
@@ -99,11 +110,75 @@ def _valid_sizes(heads: int, kv_heads: int) -> list[int]:
 def check_sequence_parallel(model: object, sp_size: int, world_size: int | None = None) -> str:
     """Raise a clear error for what Ulysses cannot run: `sp_size` below 2, attention heads (or
     key/value heads) it does not divide, an attention implementation it cannot wrap (eager), a
-    world size it does not divide. `world_size=None` reads the initialised process group's, if
-    any. Returns the attention implementation Ulysses will wrap.
+    world size it does not divide, and on the CPU a process launched with several ranks whose
+    DeepSpeed communication is not set up. `world_size=None` reads the process's: the initialised
+    process group's, if any (and checks DeepSpeed's communication); a number checks the model
+    against that world size alone. Returns the attention implementation Ulysses will wrap.
 
     Call it before `Trainer(...)` or `accelerate.prepare` with the same model and `sp_size`: they
     run the same checks later, some as bare assertions."""
+    implementation = _check_model(model, sp_size)
+    if world_size is None:
+        _check_deepspeed_communication()
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            world_size = torch.distributed.get_world_size()
+        _check_accelerate_processes(world_size or _launched_world_size())
+    if world_size is not None and world_size % sp_size:
+        raise ValueError(
+            f"sp_size={sp_size} does not divide the world size {world_size}: the ranks form groups of sp_size "
+            f"(launch a multiple of {sp_size} processes, e.g. torchrun --nproc-per-node {sp_size})"
+        )
+    return implementation
+
+
+def _check_deepspeed_communication() -> None:
+    """On the CPU, accelerate and the Trainer set up torch.distributed (gloo) but not DeepSpeed's
+    communication, and DeepSpeed's Ulysses registration (in their `prepare`) asserts it: say so
+    first. On an accelerator they set it up themselves, and a process not launched with several
+    ranks has nothing to set up yet."""
+    group = torch.distributed.is_available() and torch.distributed.is_initialized()
+    launched = group or _launched_world_size() > 1
+    if not launched or torch.accelerator.is_available():
+        return
+    _deepspeed()
+    from deepspeed import comm as deepspeed_comm
+
+    if deepspeed_comm.is_initialized():
+        return
+    raise RuntimeError(
+        "sequence parallelism on the CPU: DeepSpeed's communication is not set up, and Ulysses's registration (in "
+        "accelerate's or the Trainer's prepare) asserts it (a bare AssertionError: `assert dist.is_initialized()`). "
+        "Call deepspeed.init_distributed(dist_backend='gloo') first, before TrainingArguments or Accelerator "
+        "(torch.distributed.init_process_group alone does not set it up; accelerate does it only on accelerators)"
+    )
+
+
+def _check_accelerate_processes(world_size: int) -> None:
+    """accelerate (and so the Trainer) shards its loader over the processes it counts. On the CPU
+    it counts one unless told it runs there, and every rank then gets the whole dataset: with
+    Ulysses training every rank's batch in turn, each row would be trained once per rank."""
+    state = sys.modules.get("accelerate.state")
+    shared = getattr(getattr(state, "PartialState", None), "_shared_state", None) or {}
+    counted = shared.get("num_processes")
+    if not isinstance(counted, int) or world_size <= 1 or counted == world_size:
+        return
+    raise ValueError(
+        f"accelerate counts {counted} process(es) of the world's {world_size}: it would give every rank the whole "
+        f"dataset, and Ulysses trains every rank's batch in turn, so each row would be trained {world_size // counted} "
+        "times. On the CPU tell it so: TrainingArguments(..., use_cpu=True) for the Trainer, PartialState(cpu=True) "
+        "before the Accelerator for accelerate"
+    )
+
+
+def _launched_world_size() -> int:
+    """The world size torchrun (or another launcher) gave this process, 1 if none."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
+def _check_model(model: object, sp_size: int) -> str:
     if isinstance(sp_size, bool) or not isinstance(sp_size, int) or sp_size < 2:
         raise ValueError(
             f"sp_size must be an int >= 2 (the ranks one sequence is split across; 1 is no sequence "
@@ -136,13 +211,6 @@ def check_sequence_parallel(model: object, sp_size: int, world_size: int | None 
             f"or 'flash_attention_2', or call model.set_attn_implementation('sdpa'); valid: "
             f"{', '.join(ULYSSES_ATTENTION)} or a hub kernel such as 'kernels-community/flash-attn2'"
         )
-    if world_size is None and torch.distributed.is_available() and torch.distributed.is_initialized():
-        world_size = torch.distributed.get_world_size()
-    if world_size is not None and world_size % sp_size:
-        raise ValueError(
-            f"sp_size={sp_size} does not divide the world size {world_size}: the ranks form groups of sp_size "
-            f"(launch a multiple of {sp_size} processes, e.g. torchrun --nproc-per-node {sp_size})"
-        )
     return implementation
 
 
@@ -164,11 +232,18 @@ class Ulysses:
 
         return torch.device(get_accelerator().current_device_name())
 
-    def adapt(self, loader: Iterable[dict]) -> Iterable[dict]:
+    def adapt(self, loader: Iterable[dict], allow_identical_batches: bool = False) -> Iterable[dict]:
         """`loader`'s batches, each split across the SP group: over `size` steps every rank takes
         its shard of rank 0's batch, then of rank 1's, and so on (DeepSpeed's
         `UlyssesSPDataLoaderAdapter`). Every batch needs `input_ids` and `labels` of shape
-        (micro_batch_size, tokens); the loader must give exactly `micro_batch_size` rows each time."""
+        (micro_batch_size, tokens); the loader must give exactly `micro_batch_size` rows each time.
+
+        Every rank's loader must give batches of its own (a `DistributedSampler` over all the
+        ranks): since each rank's batch is trained in turn by the whole group, ranks holding the
+        same batches train every row once per rank. Ranks whose first `IDENTICAL_BATCHES_CHECKED`
+        batches of a pass are identical (a checksum of input_ids and labels, compared in the
+        collective each batch already takes) are refused on every rank; pass
+        `allow_identical_batches=True` where that is meant (a benchmark feeding one batch)."""
         from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
 
         batch_size = getattr(loader, "batch_size", None)
@@ -183,7 +258,7 @@ class Ulysses:
                 f"the loader's last batch would have {_length(dataset) % batch_size} rows, not micro_batch_size="
                 f"{batch_size}, and Ulysses's shapes are fixed at registration: DataLoader(..., drop_last=True)"
             )
-        prepared = _PreparedBatches(loader, self)
+        prepared = _PreparedBatches(loader, self, 0 if allow_identical_batches else IDENTICAL_BATCHES_CHECKED)
         adapter = UlyssesSPDataLoaderAdapter(
             prepared, sp_rank=self.rank, sp_group=self.group, sp_world_size=self.size, device=self.device
         )
@@ -289,6 +364,7 @@ def sequence_parallel_loss(
         )
     labels = _shift_labels(batch)
     group = group if group is not None else _sp_group()
+    _check_training_mode(model)
     if num_items_in_batch is None:
         num_items_in_batch = (labels != IGNORE_INDEX).sum()
         torch.distributed.all_reduce(num_items_in_batch, group=group)
@@ -300,40 +376,77 @@ def sequence_parallel_loss(
     return _SumOverGroup.apply(loss, group, not sums_over_sequence_parallel_ranks(model))
 
 
+def _check_training_mode(model: nn.Module) -> None:
+    """accelerate and the Trainer register Ulysses with `disable_in_eval=True`: a model in eval
+    mode (as `from_pretrained` returns it) then attends only within each rank's shard, and its
+    loss is not the sequence's. register_ulysses keeps Ulysses on in eval mode."""
+    inner, seen = model, 0
+    while isinstance(getattr(inner, "module", None), nn.Module) and seen < 8:  # DDP, a DeepSpeed engine
+        inner, seen = inner.module, seen + 1
+    get_base_model = getattr(type(inner), "get_base_model", None)
+    if callable(get_base_model):  # PEFT
+        inner = inner.get_base_model()
+    if inner.training or registered_ulysses() is not None:
+        return
+    raise ValueError(
+        f"{type(inner).__name__} is in eval mode (from_pretrained returns models so), and Ulysses registered by "
+        "accelerate or the Trainer (disable_in_eval=True) then attends only within each rank's shard of the "
+        "sequence: the loss would not be the whole sequence's. Call model.train() before training (checkpointing "
+        "and offloading, too, run only in training mode)"
+    )
+
+
 class _PreparedBatches:
     """The user's loader, batch by batch ready for DeepSpeed's adapter (which gathers every
     rank's batch and shards it): position_ids where none were given, the length padded to a
     multiple of the SP size, and batches Ulysses would train on differently refused on every
-    rank together."""
+    rank together, as are ranks holding the same batches at the start of each pass (`checked`
+    batches; 0: not checked)."""
 
-    def __init__(self, loader: Iterable[dict], ulysses: Ulysses) -> None:
+    def __init__(self, loader: Iterable[dict], ulysses: Ulysses, checked: int = IDENTICAL_BATCHES_CHECKED) -> None:
         self.loader = loader
         self.ulysses = ulysses
+        self.checked = checked
 
     def __len__(self) -> int:
         return len(self.loader)
 
     def __iter__(self) -> Iterator[dict]:
-        for batch in self.loader:
+        checked = self.checked
+        with contextlib.suppress(TypeError):  # a loader of fewer batches decides on all of them
+            checked = min(checked, len(self.loader))
+        identical: set[int] | None = None  # the ranks whose batches matched another's so far
+        for index, batch in enumerate(self.loader):
             error = None
             try:
                 batch = self.prepare(batch)
             except ValueError as refused:
                 error = refused
-            self.agree(error)
+            checking = index < checked
+            fingerprints = self.agree(error, _fingerprint(batch) if checking and error is None else 0)
+            if checking:
+                identical = _sharing(fingerprints) & (identical if identical is not None else set(fingerprints))
+                if not identical:
+                    checked = 0
+                elif index + 1 == checked:
+                    raise _identical_batches_error(sorted(identical), checked)
             yield batch
 
-    def agree(self, error: ValueError | None) -> None:
+    def agree(self, error: ValueError | None, fingerprint: int = 0) -> dict[int, int]:
         """Every rank raises if any rank's batch was refused (the others would otherwise wait
-        in the adapter's all_gather for it)."""
-        flags = torch.zeros(self.ulysses.size, dtype=torch.int64, device=self.ulysses.device)
-        flags[self.ulysses.rank] = error is not None
+        in the adapter's all_gather for it). The same collective gathers each rank's
+        fingerprint of its batch (0: none): {rank: fingerprint}."""
+        flags = torch.zeros(self.ulysses.size, 2, dtype=torch.int64, device=self.ulysses.device)
+        flags[self.ulysses.rank, 0] = error is not None
+        flags[self.ulysses.rank, 1] = fingerprint
         torch.distributed.all_reduce(flags, group=self.ulysses.group)
         if error is not None:
             raise error
-        if flags.any():
-            bad = [rank for rank, flag in enumerate(flags.tolist()) if flag]
+        refused, fingerprints = flags[:, 0].tolist(), flags[:, 1].tolist()
+        if any(refused):
+            bad = [rank for rank, flag in enumerate(refused) if flag]
             raise ValueError(f"sequence parallelism: SP rank(s) {bad} refused their batch (their error says why)")
+        return {rank: value for rank, value in enumerate(fingerprints) if value}
 
     def prepare(self, batch: dict) -> dict:
         if not isinstance(batch, dict) or "input_ids" not in batch or "labels" not in batch:
@@ -373,6 +486,38 @@ class _PreparedBatches:
         return batch
 
 
+def _fingerprint(batch: dict) -> int:
+    """A checksum of the batch's input_ids and labels, shapes included: a nonzero int64."""
+    digest = hashlib.blake2b(digest_size=8)
+    for key in ("input_ids", "labels"):
+        value = batch.get(key)
+        if torch.is_tensor(value):
+            value = value.detach().contiguous().cpu()
+            digest.update(repr((key, tuple(value.shape), str(value.dtype))).encode())
+            digest.update(value.view(-1).view(torch.uint8).numpy().tobytes())
+    return int.from_bytes(digest.digest(), "little", signed=True) or 1
+
+
+def _sharing(fingerprints: dict[int, int]) -> set[int]:
+    """The ranks whose fingerprint another rank has too."""
+    counts: dict[int, int] = {}
+    for value in fingerprints.values():
+        counts[value] = counts.get(value, 0) + 1
+    return {rank for rank, value in fingerprints.items() if counts[value] > 1}
+
+
+def _identical_batches_error(ranks: list[int], batches: int) -> ValueError:
+    return ValueError(
+        f"sequence parallelism: SP ranks {ranks} hold the same batches (the first {batches} of this pass were "
+        "identical on them), and Ulysses trains every rank's batch in turn across the group: each row would be "
+        f"trained {len(ranks)} times. Give every rank batches of its own: DataLoader(dataset, batch_size=..., "
+        "sampler=DistributedSampler(dataset, drop_last=True), drop_last=True), with the sampler over all the ranks "
+        "of the world (its defaults), not only the data-parallel ones: the ranks of one SP group need different "
+        "batches too. If the ranks are meant to train the same batches (a benchmark), "
+        "adapt(loader, allow_identical_batches=True)"
+    )
+
+
 def _pad(key: str, value, length: int, pad: int, pad_token_id: int):
     """`value` padded at the end of the sequence by `pad` tokens that change nothing: causal
     attention never lets an earlier token see them, and their labels are ignored."""
@@ -408,9 +553,12 @@ def register_ulysses(model: nn.Module, sp_size: int, micro_batch_size: int = 1) 
     it with transformers for `model`'s attention implementation: from here on, in this process,
     every model using that implementation runs it across the SP group. Call it on every rank,
     after `torch.distributed.init_process_group` (or `deepspeed.init_distributed`), before wrapping
-    the model. Registering again replaces the earlier registration."""
+    the model. Registering again replaces the earlier registration.
+
+    Ulysses calls transformers' attention function as it is at each call, not as it was at
+    registration: sequence tiling enabled afterwards still tiles the heads inside it."""
     deepspeed = _deepspeed()
-    implementation = check_sequence_parallel(model, sp_size)
+    _check_model(model, sp_size)
     if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be an int >= 1 (rows per batch), got {micro_batch_size!r}")
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
@@ -424,6 +572,7 @@ def register_ulysses(model: nn.Module, sp_size: int, micro_batch_size: int = 1) 
 
     if not deepspeed_comm.is_initialized():  # DeepSpeed's view of the process group torch already has
         deepspeed.init_distributed(dist_backend=torch.distributed.get_backend())
+    implementation = check_sequence_parallel(model, sp_size)
     unregister_ulysses()
 
     if getattr(parallel_state_sp, "_SEQUENCE_PARALLEL_GROUP", None) is not None:
@@ -434,14 +583,21 @@ def register_ulysses(model: nn.Module, sp_size: int, micro_batch_size: int = 1) 
         )
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    original = ALL_ATTENTION_FUNCTIONS.get(implementation)
-    mpu = UlyssesSPAttentionHF.register_with_transformers(
-        model_name_or_path=_config_holder(model),
-        core_attn_implementation=implementation,
-        sequence_parallel_size=sp_size,
-        micro_batch_size=micro_batch_size,
-        seq_length_is_variable=True,
-    )
+    local = _local_mapping(ALL_ATTENTION_FUNCTIONS).get(implementation, _ABSENT)
+    # DeepSpeed wraps what ALL_ATTENTION_FUNCTIONS holds when it registers; give it a function that
+    # looks the implementation up at each call instead (hf_offload's head tiling may wrap it later).
+    ALL_ATTENTION_FUNCTIONS[implementation] = _attention_as_registered(implementation, local)
+    try:
+        mpu = UlyssesSPAttentionHF.register_with_transformers(
+            model_name_or_path=_config_holder(model),
+            core_attn_implementation=implementation,
+            sequence_parallel_size=sp_size,
+            micro_batch_size=micro_batch_size,
+            seq_length_is_variable=True,
+        )
+    except BaseException:
+        _restore_local(ALL_ATTENTION_FUNCTIONS, implementation, local)
+        raise
     config = _config_of(model)
     ulysses = Ulysses(
         size=mpu.get_sequence_parallel_world_size(),
@@ -452,8 +608,38 @@ def register_ulysses(model: nn.Module, sp_size: int, micro_batch_size: int = 1) 
         micro_batch_size=micro_batch_size,
         pad_token_id=_pad_token_id(config),
     )
-    _REGISTERED.update(implementation=implementation, original=original, ulysses=ulysses)
+    _REGISTERED.update(implementation=implementation, local=local, ulysses=ulysses)
     return ulysses
+
+
+def _local_mapping(functions) -> dict:
+    """transformers' ALL_ATTENTION_FUNCTIONS keeps a mapping of its own in front of the class-wide
+    one (`AttentionInterface.register`): item assignment writes there, and shadows the class-wide
+    entry from then on."""
+    return getattr(functions, "_local_mapping", {})
+
+
+def _restore_local(functions, implementation: str, local) -> None:
+    """Put the instance mapping's entry back as it was: the value it held, or none at all (so that
+    the class-wide entry shows through again)."""
+    if local is not _ABSENT:
+        functions[implementation] = local
+    else:
+        _local_mapping(functions).pop(implementation, None)
+
+
+def _attention_as_registered(implementation: str, local):
+    """The attention function `implementation` names, looked up at each call: the instance
+    mapping's entry that was there before Ulysses, else the class-wide one (where hf_offload's
+    head tiling, or anyone's `AttentionInterface.register`, puts theirs)."""
+    from transformers.modeling_utils import AttentionInterface
+
+    def attention(*args, **kwargs):
+        function = local if local is not _ABSENT else AttentionInterface._global_mapping[implementation]
+        return function(*args, **kwargs)
+
+    attention.__name__ = f"{implementation}_as_registered"
+    return attention
 
 
 def _config_holder(model: object):
@@ -477,16 +663,16 @@ def registered_ulysses() -> Ulysses | None:
 
 
 def unregister_ulysses() -> None:
-    """Put back the attention function `register_ulysses` replaced and forget its SP group (the
-    process group itself stays). No-op if nothing is registered."""
+    """Put back the attention function `register_ulysses` replaced, as it was (an entry of
+    ALL_ATTENTION_FUNCTIONS's own mapping only if there was one: none left behind to shadow later
+    registrations), and forget its SP group (the process group itself stays). No-op if nothing is
+    registered."""
     if not _REGISTERED:
         return
     from deepspeed.runtime.sequence_parallel import parallel_state_sp
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    implementation, original = _REGISTERED["implementation"], _REGISTERED["original"]
-    if original is not None:
-        ALL_ATTENTION_FUNCTIONS[implementation] = original
+    _restore_local(ALL_ATTENTION_FUNCTIONS, _REGISTERED["implementation"], _REGISTERED["local"])
     with contextlib.suppress(AttributeError):
         parallel_state_sp._release_sequence_parallel_groups()
     _REGISTERED.clear()

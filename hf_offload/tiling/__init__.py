@@ -16,6 +16,7 @@ import logging
 
 from torch import nn
 
+from .. import auto_budget
 from ..adapters import (
     UnsupportedModelError,
     find_attention,
@@ -52,7 +53,7 @@ def enable_sequence_tiling(model: nn.Module, *positional: object, **options: obj
     mlps = resolve_mlps(target) if parsed.mlp else []
     head = target.get_output_embeddings() if parsed.loss and hasattr(target, "get_output_embeddings") else None
     disable_sequence_tiling(target)
-    tile = parsed.tile_tokens or target.config.get_text_config().hidden_size
+    tile = parsed.tile_tokens or default_tile_tokens(target)
     modules: dict[int, nn.Module] = {}  # once each: some models share one MLP between layers
     for mlp in mlps:
         if mlp is not None:
@@ -114,6 +115,28 @@ def enable_sequence_tiling(model: nn.Module, *positional: object, **options: obj
         chain = parsed.norms and loss_tiling.CHAIN_FINAL_NORM
         final_norm = find_final_norm(target, layers or resolve_layers(target)[1]) if chain else None
         loss_tiling.install(target, parsed.tile_tokens, final_norm)
+
+
+# A gated MLP's slice per token and unit of its width: bf16 intermediates and PEFT's float32 copies of
+# the adapters' inputs (17 bytes measured in a QLoRA r=32 step, 4-bit weights dequantized in it).
+_MLP_SLICE_BYTES = 16
+
+
+def default_tile_tokens(model: nn.Module) -> int:
+    """Tokens per slice of the layers' parts: hidden_size (ALST's and Liger's tiled MLP), fewer on a
+    device whose memory an MLP slice of those would take more than `SLICE_DEVICE_SHARE` of (the
+    device the model is on when tiling is enabled; on the CPU, hidden_size)."""
+    config = model.config.get_text_config()
+    tokens = config.hidden_size
+    parameter = next(model.parameters(), None)
+    total = None if parameter is None else auto_budget.total_device_memory(parameter.device)
+    if total is not None:
+        try:
+            width = auto_budget.LayerShape.from_config(config).intermediate
+        except ValueError:
+            return tokens
+        tokens = min(tokens, int(total * loss_tiling.SLICE_DEVICE_SHARE) // (width * _MLP_SLICE_BYTES))
+    return max(tokens, 1)
 
 
 def disable_sequence_tiling(model: nn.Module) -> None:

@@ -67,7 +67,23 @@ def _after_block(tiling: HeadTiling, block: nn.Module, args, kwargs, output) -> 
     hidden = args[0] if args else kwargs.get("hidden_states")
     long = isinstance(hidden, torch.Tensor) and hidden.dim() == 3 and hidden.shape[1] > tiling.min_tokens
     if tiling.calls == before and long and torch.is_grad_enabled():
-        _say_once(tiling, block, "it computes attention itself, not through transformers' attention functions")
+        _say_once(tiling, block, _why_not_reached(block))
+
+
+def _why_not_reached(block: nn.Module) -> str:
+    """Why a block's call never reached the tiled functions: ALL_ATTENTION_FUNCTIONS's own mapping
+    shadows the registry's entry for its implementation (DeepSpeed's Ulysses registers itself
+    there, around the function it found), or the model computes attention itself."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    implementation = getattr(getattr(block, "config", None), "_attn_implementation", None)
+    if implementation in getattr(ALL_ATTENTION_FUNCTIONS, "_local_mapping", {}):
+        return (
+            f"transformers' attention function for {implementation!r} was replaced in ALL_ATTENTION_FUNCTIONS by "
+            "one that does not call the tiled one (as DeepSpeed's Ulysses registration does, around the function "
+            "it found): enable sequence tiling before registering it, or register with hf_offload's register_ulysses"
+        )
+    return "it computes attention itself, not through transformers' attention functions"
 
 
 _originals: dict[str, object] = {}  # the registered functions our wrappers took the place of
@@ -182,7 +198,8 @@ def _groups(query, key, value, attention_mask, kwargs) -> tuple[int, str | None]
             continue  # of no head layout (labels passed along, say): the same for every group
         return 1, f"its argument {name} of shape {tuple(tensor.shape)} may lay out heads in a way not known here"
     if kv_heads == 1:
-        return 1, "one key/value head for all query heads (multi-query attention): no group of heads to split off"
+        why = "multi-query attention, or one per rank under sequence parallelism"
+        return 1, f"a single key/value head in the call ({why}): no group of heads to split off"
     groups = max(g for g in range(1, MAX_GROUPS + 1) if kv_heads % g == 0)
     return groups, None
 

@@ -26,6 +26,7 @@ import torch
 import hf_offload
 from hf_offload.internal import device_memory, empty_host_cache, unwrap_model
 from hf_offload.tools.modes import (
+    NEEDS_ACCELERATOR,
     WITHOUT_HF_OFFLOAD,
     parse_mode,
     set_checkpointing,
@@ -150,6 +151,9 @@ def _configure(model, mode: str, device: torch.device, min_offload_bytes: int | 
     `memory_limit` (the byte accounting's limit) as the budget, and are unavailable without it."""
     parsed = parse_mode(mode)
     base_mode = parsed.base
+    if base_mode in NEEDS_ACCELERATOR and torch.accelerator.current_accelerator() is None:
+        why = NEEDS_ACCELERATOR[base_mode]
+        raise ModeUnavailable(f"{base_mode} needs an accelerator, and there is none here: {why}")
     base = unwrap_model(model)
     _remove_trl_hooks(model)
     set_liger_flce(base, False)

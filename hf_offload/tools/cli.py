@@ -143,13 +143,18 @@ def _add_estimate_command(commands: argparse._SubParsersAction) -> None:
         "--preset", choices=preset_names(), default="llama-3-8b", help="a common model shape (default llama-3-8b)"
     )
     source.add_argument(
-        "--model", metavar="PATH_OR_ID", help="a local model directory, or a hub id (only its config.json is read)"
-    )
+        "--model", type=_model_source, metavar="PATH_OR_ID",
+        help="a local model directory (or its config.json), or a hub id (only its config.json is read)",
+    )  # fmt: skip
     estimate.add_argument(
         "--trust-remote-code", action="store_true", help="allow a config whose model code comes from the hub"
     )
-    estimate.add_argument("--seq-len", type=_int_at_least(2, "seq-len"), default=8192, help="default 8192")
-    estimate.add_argument("--batch-size", type=_int_at_least(1, "batch-size"), default=1, help="default 1")
+    estimate.add_argument(
+        "--seq-len", type=_int_at_least(2, "seq-len"), default=8192, help="tokens per sequence (default 8192)"
+    )
+    estimate.add_argument(
+        "--batch-size", type=_int_at_least(1, "batch-size"), default=1, help="sequences per step (default 1)"
+    )
     estimate.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="the weights' dtype (default bf16)")
     estimate.add_argument(
         "--autocast", choices=("bf16", "fp16"), default=None,
@@ -193,6 +198,7 @@ def _add_estimate_command(commands: argparse._SubParsersAction) -> None:
         default="fp32",
         help="adapter dtype (default fp32: PEFT casts adapters to fp32 unless autocast_adapter_dtype=False)",
     )
+    _add_four_bit_arguments(estimate)
     estimate.add_argument("--keep-last-layers", type=_int_at_least(0, "keep-last-layers"), default=1)
     estimate.add_argument("--prefetch-layers", type=_int_at_least(0, "prefetch-layers"), default=1)
     estimate.add_argument(
@@ -248,7 +254,11 @@ def _add_estimate_command(commands: argparse._SubParsersAction) -> None:
         help="give hf_offload a device-memory budget (max_device_bytes = GIB x 2**30) and show what it keeps",
     )
     estimate.add_argument(
-        "--granularity", type=_int_at_least(1, "granularity"), default=1024, help="the longest sequence's grid (1024)"
+        "--granularity",
+        type=_int_at_least(1, "granularity"),
+        default=1024,
+        metavar="N",
+        help="the longest sequence's grid, with --device or --device-memory (default 1024)",
     )
     estimate.add_argument(
         "--link-gbps", type=_positive_float("link-gbps"), default=None, help="host link GB/s per direction"
@@ -276,6 +286,62 @@ def _add_estimate_command(commands: argparse._SubParsersAction) -> None:
     estimate.set_defaults(run=_run_estimate, command_parser=estimate)
 
 
+def _add_four_bit_arguments(estimate: argparse.ArgumentParser) -> None:
+    """QLoRA's 4-bit base, named as transformers' BitsAndBytesConfig and PEFT name its parts."""
+    group = estimate.add_argument_group("4-bit base (QLoRA; the options are BitsAndBytesConfig's fields)")
+    group.add_argument(
+        "--load-in-4bit", action="store_true",
+        help="the base loaded in 4 bits by bitsandbytes, as from_pretrained(..., quantization_config="
+        "BitsAndBytesConfig(load_in_4bit=True, ...)) loads it (lm_head stays in --dtype); needs --lora-rank",
+    )  # fmt: skip
+    group.add_argument(
+        "--bnb-4bit-quant-type", choices=("fp4", "nf4"), default=None,
+        help="the 4-bit data type (default fp4, BitsAndBytesConfig's; QLoRA's recipe is nf4)",
+    )  # fmt: skip
+    group.add_argument(
+        "--bnb-4bit-use-double-quant", action="store_true",
+        help="quantize the quantization statistics too (0.516 instead of 0.5625 bytes per weight)",
+    )  # fmt: skip
+    group.add_argument(
+        "--bnb-4bit-compute-dtype", choices=sorted(DTYPES), default=None,
+        help="the dtype bitsandbytes dequantizes into and multiplies in (default fp32, BitsAndBytesConfig's; "
+        "QLoRA's recipe is bf16)",
+    )  # fmt: skip
+    group.add_argument(
+        "--prepare-model-for-kbit-training", action="store_true",
+        help="PEFT's prepare_model_for_kbit_training before LoRA: every parameter that is not 4-bit (norms, "
+        "embeddings, lm_head) in float32 (default: they keep --dtype, as Unsloth keeps them)",
+    )  # fmt: skip
+
+
+def _four_bit(args: argparse.Namespace, parser: argparse.ArgumentParser):
+    """The 4-bit base the options ask for, or None; an option without --load-in-4bit is an error."""
+    from .simulator.four_bit import FourBit
+
+    given = {
+        "--bnb-4bit-quant-type": args.bnb_4bit_quant_type is not None,
+        "--bnb-4bit-use-double-quant": args.bnb_4bit_use_double_quant,
+        "--bnb-4bit-compute-dtype": args.bnb_4bit_compute_dtype is not None,
+        "--prepare-model-for-kbit-training": args.prepare_model_for_kbit_training,
+    }
+    if not args.load_in_4bit:
+        option = next((name for name, present in given.items() if present), None)
+        if option is not None:
+            parser.error(f"argument {option}: describes a 4-bit base: give --load-in-4bit too")
+        return None
+    if args.lora_rank is None:
+        parser.error("argument --load-in-4bit: a 4-bit base is trained through adapters: give --lora-rank")
+    if args.offload_params:
+        parser.error("argument --load-in-4bit: a 4-bit base with --offload-params is not simulated")
+    compute = DTYPES[args.bnb_4bit_compute_dtype] if args.bnb_4bit_compute_dtype else "float32"
+    return FourBit(
+        bnb_4bit_quant_type=args.bnb_4bit_quant_type or "fp4",
+        bnb_4bit_use_double_quant=args.bnb_4bit_use_double_quant,
+        bnb_4bit_compute_dtype=getattr(torch, compute),
+        prepare_model_for_kbit_training=args.prepare_model_for_kbit_training,
+    )
+
+
 def _estimate_modes(args: argparse.Namespace) -> list[str]:
     from .estimate import BASE_MODES, CHECKPOINTING_MODES, LONGEST_CONTEXT_MODE
     from .modes import LIGER, TILED, parse_mode
@@ -293,22 +359,14 @@ def _estimate_modes(args: argparse.Namespace) -> list[str]:
     return list(dict.fromkeys(modes))
 
 
-def _run_estimate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    import logging
-    import sys
-    import warnings
+def _check_estimate_arguments(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[str]:
+    """Every check of `estimate`'s arguments that needs no model: in one place, before the
+    model's config is read (a hub id goes to the network) and anything simulated, so that a bad
+    combination fails at once, naming the option and what would be valid. Checks of a single
+    value are its argparse type (`--model`: `_model_source`). Options added later put their
+    checks here. Returns the modes to simulate."""
+    from .modes import NEEDS_ACCELERATOR, TILED, parse_mode
 
-    import torch
-
-    from .devices import DEVICES, format_devices
-    from .estimate import Request, format_estimate, format_json, run_estimate
-    from .modes import parse_mode
-    from .presets import ConfigError, load_config, preset_config
-    from .simulator import NOT_SIMULATED, Training
-
-    if args.list_devices:
-        print(format_devices())
-        return 0
     if args.efficiency is not None and args.efficiency > 1:
         parser.error(f"argument --efficiency: must be a fraction in (0, 1], got {args.efficiency}")
     if args.disk_memory is not None and args.host_memory is None:
@@ -318,13 +376,54 @@ def _run_estimate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         )
     if args.disk_gbps is not None and args.disk_memory is None:
         parser.error(f"argument --disk-gbps: {args.disk_gbps:g} GB/s needs --disk-memory GIB (no disk tier without it)")
+    if args.sp > 1 and args.padded:
+        parser.error("argument --sp: a padded batch under sequence parallelism is not simulated (drop --padded)")
+    if args.trust_remote_code and args.model is None:
+        parser.error("argument --trust-remote-code: only with --model (the presets run transformers' own code)")
+    if args.lora_targets != "all-linear":
+        if args.lora_rank is None:
+            parser.error(f"argument --lora-targets: {args.lora_targets!r} needs --lora-rank N (no adapters without it)")
+        if not all(name.strip() for name in args.lora_targets.split(",")):
+            parser.error(
+                f"argument --lora-targets: {args.lora_targets!r} has an empty name; give all-linear or module names "
+                "separated by commas, e.g. q_proj,v_proj"
+            )
+    if args.granularity != 1024 and args.device is None and args.device_memory is None:
+        parser.error(
+            f"argument --granularity: {args.granularity} is the longest sequence's grid, searched only with --device "
+            "or --device-memory"
+        )
     modes = _estimate_modes(args)
+    if args.tile_tokens is not None and not any(parse_mode(mode).tiled for mode in modes):
+        parser.error(f"argument --tile-tokens: {args.tile_tokens} tokens per slice needs --tile or a {TILED} mode")
     for mode in modes:
         base = parse_mode(mode).base
-        if base in NOT_SIMULATED:
-            parser.error(f"argument --modes: {mode} cannot be simulated ({NOT_SIMULATED[base]})")
+        if base in NEEDS_ACCELERATOR:
+            parser.error(f"argument --modes: {mode} cannot be simulated ({NEEDS_ACCELERATOR[base]})")
         if base.endswith("_auto") and args.device_memory is None and args.device is None:
             parser.error(f"argument --modes: {mode} reads the device's free memory: give --device-memory or --device")
+    return modes
+
+
+def _run_estimate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    import logging
+    import sys
+    import warnings
+
+    import torch
+
+    from .devices import format_devices
+
+    if args.list_devices:
+        print(format_devices())
+        return 0
+    modes = _check_estimate_arguments(args, parser)
+
+    from .devices import DEVICES
+    from .estimate import Request, format_estimate, format_json, run_estimate
+    from .presets import ConfigError, load_config, preset_config
+    from .simulator import Training
+
     if args.liger or any("+liger" in mode for mode in modes):
         try:
             import liger_kernel.transformers  # noqa: F401
@@ -342,8 +441,6 @@ def _run_estimate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     memory_gib = args.device_memory or (device.memory_gib if args.device else None)
     memory = None if memory_gib is None else int(memory_gib * 2**30)
     targets = args.lora_targets if args.lora_targets == "all-linear" else tuple(args.lora_targets.split(","))
-    if args.sp > 1 and args.padded:
-        parser.error("argument --sp: a padded batch under sequence parallelism is not simulated (drop --padded)")
     training = Training(
         dtype=getattr(torch, DTYPES[args.dtype]),
         lora_rank=args.lora_rank,
@@ -363,6 +460,7 @@ def _run_estimate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         padded=args.padded,
         sp_size=args.sp,
         offload_params=args.offload_params,
+        four_bit=_four_bit(args, parser),
     )
     request = Request(
         config=config,
@@ -387,6 +485,10 @@ def _run_estimate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         estimate = run_estimate(request, echo=progress)
     except (ValueError, TypeError, KeyError) as error:
         parser.error(f"cannot simulate {name}: {error}")
+    except RuntimeError as error:  # the model's own code refused the step (a shape it cannot take, say)
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        failed = f"{type(error).__name__}: {first}"
+        parser.error(f"cannot simulate {name} at {args.seq_len} tokens: the model failed: {failed}")
     print(format_json(estimate) if args.json else format_estimate(estimate, device_given=args.device is not None))
     return 0
 
@@ -414,7 +516,10 @@ def _add_bench_command(commands: argparse._SubParsersAction) -> None:
         default=None,
         help="a built-in shape (default tiny on CPU, 1b on CUDA)",
     )
-    bench.add_argument("--model", type=_local_model_dir, metavar="PATH", help="local model directory or config")
+    bench.add_argument(
+        "--model", type=_local_model_dir, metavar="PATH",
+        help="a local model directory: its weights if it has any, else its config.json with random weights",
+    )  # fmt: skip
     bench.add_argument(
         "--seq-lens",
         type=_int_at_least(2, "seq-lens"),
@@ -422,7 +527,9 @@ def _add_bench_command(commands: argparse._SubParsersAction) -> None:
         default=None,
         help="sweep lengths (default 256 512 1024 2048)",
     )
-    bench.add_argument("--batch-size", type=_int_at_least(1, "batch-size"), default=1)
+    bench.add_argument(
+        "--batch-size", type=_int_at_least(1, "batch-size"), default=1, help="sequences per step (default 1)"
+    )
     bench.add_argument(
         "--steps",
         type=_int_at_least(1, "steps"),
@@ -441,7 +548,12 @@ def _add_bench_command(commands: argparse._SubParsersAction) -> None:
     )
     bench.add_argument("--dtype", choices=["fp32", "bf16"], default=None, help="bf16 on CUDA, fp32 on CPU")
     bench.add_argument("--lora-rank", type=_int_at_least(1, "lora-rank"), default=None, help="LoRA on all linears")
-    bench.add_argument("--device", type=_available_device, default=_default_device())
+    bench.add_argument(
+        "--device",
+        type=_available_device,
+        default=_default_device(),
+        help=f"torch device to measure on: cpu, cuda or cuda:N (default {_default_device()})",
+    )
     bench.add_argument(
         "--min-offload-bytes", type=_int_at_least(0, "min-offload-bytes"), default=None, help="hf_offload's option"
     )
@@ -503,6 +615,13 @@ def _add_bench_command(commands: argparse._SubParsersAction) -> None:
 def _run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from .bench import run_bench
     from .modes import LIGER, TILED, parse_mode
+    from .presets import ConfigError, load_config
+
+    if args.model is not None:
+        try:  # a model the bench can build and train as a causal LM, before anything runs
+            load_config(args.model)
+        except ConfigError as error:
+            parser.error(f"argument --model: {error}")
 
     cuda = args.device.type == "cuda"
     if args.dtype is None:
@@ -583,12 +702,28 @@ def _int_at_least(minimum: int, name: str) -> Callable[[str], int]:
     return parse
 
 
+def _model_source(text: str) -> str:
+    """`estimate --model`: what can be checked without importing anything (presets.check_model_argument)."""
+    from .presets import ConfigError, check_model_argument
+
+    try:
+        return check_model_argument(text)
+    except ConfigError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def _local_model_dir(text: str) -> Path:
+    from .presets import ConfigError, read_config_file
+
     path = Path(text).expanduser()
     if not path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} is not a local directory (models are never downloaded)")
     if not (path / "config.json").is_file():
         raise argparse.ArgumentTypeError(f"{text!r} has no config.json")
+    try:
+        read_config_file(path / "config.json")
+    except ConfigError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
     return path
 
 

@@ -129,6 +129,40 @@ DEVICES = {
         "rtx4090", 165.2, 82.6, 32, 24564, 1.008, (8, 9),
         "RTX 4090: 165 TFLOP/s bf16 dense with fp32 accumulate, 82.6 float32, PCIe gen 4 x16, 24564 MiB",
     ),
+    # The GPUs of Unsloth's context-length table (8-80 GB) that people own or rent. GeForce cards
+    # multiply bf16 with fp32 accumulate at half their fp16-accumulate tensor rate (NVIDIA's Ampere,
+    # Ada and Blackwell GeForce whitepapers), which is what PyTorch's bf16 matmuls run; memory is
+    # nvidia-smi's total for the card where it is commonly reported, else the nominal size.
+    "rtx4060": _from_datasheet(
+        "rtx4060", 30.2, 15.1, 16, 8188, 0.272, (8, 9),
+        "RTX 4060 8GB: 30.2 TFLOP/s bf16 dense with fp32 accumulate, 15.1 float32, PCIe gen 4 x8, 8188 MiB",
+    ),
+    "rtx3060": _from_datasheet(
+        "rtx3060", 25.5, 12.7, 32, 12288, 0.360, (8, 6),
+        "RTX 3060 12GB: 25.5 TFLOP/s bf16 dense with fp32 accumulate, 12.7 float32, PCIe gen 4 x16, 12288 MiB",
+    ),
+    "rtx4060ti-16gb": _from_datasheet(
+        "rtx4060ti-16gb", 44.1, 22.1, 16, 16380, 0.288, (8, 9),
+        "RTX 4060 Ti 16GB: 44.1 TFLOP/s bf16 dense with fp32 accumulate, 22.1 float32, PCIe gen 4 x8, 16380 MiB",
+    ),
+    "rtx5090": _from_datasheet(
+        "rtx5090", 209.5, 104.8, 64, 32607, 1.792, (12, 0),
+        "RTX 5090: 209.5 TFLOP/s bf16 dense with fp32 accumulate, 104.8 float32, PCIe gen 5 x16, 32607 MiB",
+        cublas_workspace_bytes=HOPPER_CUBLAS_WORKSPACE,  # PyTorch's default from compute capability 9 up
+    ),
+    "l4": _from_datasheet(
+        "l4", 121, 30.3, 32, 23034, 0.300, (8, 9),
+        "L4: 121 TFLOP/s bf16 dense (242 with sparsity), 30.3 float32, PCIe gen 4 x16, 23034 MiB",
+    ),
+    "a10g": _from_datasheet(
+        "a10g", 70, 35, 32, 23028, 0.600, (8, 6),
+        "A10G, AWS's variant of the A10 (no NVIDIA datasheet; AWS's and Baseten's published figures): 70 "
+        "TFLOP/s bf16 dense, 35 float32, PCIe gen 4 x16, 23028 MiB",
+    ),
+    "a6000": _from_datasheet(
+        "a6000", 154.8, 38.7, 32, 49140, 0.768, (8, 6),
+        "RTX A6000: 154.8 TFLOP/s bf16 dense (309.7 with sparsity), 38.7 float32, PCIe gen 4 x16, 49140 MiB",
+    ),
 }  # fmt: skip
 
 

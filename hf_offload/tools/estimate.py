@@ -18,15 +18,15 @@ import multiprocessing
 import os
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from hf_offload.config import HOST_MEMORY_SHARE
 from hf_offload.tools.devices import (
     ATTENTION_EFFICIENCY,
     MATMUL_EFFICIENCY,
     MEMORY_EFFICIENCY,
     Device,
     compute_seconds,
-    step_seconds,
 )
 from hf_offload.tools.modes import parse_mode
 from hf_offload.tools.simulator import Simulator, StepResult, Training, composition
@@ -40,6 +40,7 @@ from hf_offload.tools.simulator.tiers import (
     longest_stored,
     stored,
 )
+from hf_offload.tools.step_time import FLASH_ATTENTION_2, HOST_MEMORY_GBPS, StepTime, attention_slowdown, step_time
 
 GIB = 2**30
 BASE_MODES = ("none", "hf_offload", "checkpointing", "checkpointing+hf_offload")
@@ -77,6 +78,7 @@ class ModeEstimate:
     longest: LongestSequence | None = None
     bytes_per_token: float | None = None  # the peak's slope between the search's two lengths
     sp_seconds: float = 0.0  # Ulysses's all-to-alls, in step_seconds (they wait on each other)
+    time: StepTime | None = None  # step_seconds by part, and with another attention kernel
 
 
 @dataclass
@@ -84,6 +86,8 @@ class Estimate:
     request: Request
     modes: list[ModeEstimate] = field(default_factory=list)
     seconds: float = 0.0
+    # Where host memory alone ends the longest mode early: that mode with a disk tier (`past_the_host`).
+    with_disk: tuple[Request, ModeEstimate] | None = None
 
     def as_json(self) -> dict:
         """{"modes": {MODE: {"peak_bytes", "host_bytes", "offloaded_bytes", "flops",
@@ -101,6 +105,8 @@ class Estimate:
                 "seq_len": step.seq_len,
                 "sp_sent_bytes": step.sp_sent_bytes,
                 "sp_seconds": entry.sp_seconds,
+                "step_seconds_range": None if entry.time is None else [entry.time.low, entry.time.high],
+                "step_seconds_flash_attention_2": _flash_attention_2_seconds(entry, request),
                 "params_host_bytes": step.params_host_bytes,
                 "params_gathered_bytes": step.params_gathered_bytes,
                 "peak": {
@@ -136,8 +142,18 @@ class Estimate:
             modes[entry.mode] = item
         training = request.training
         best = longest_mode(self)
+        longest = None if best is None else {"mode": best.mode, "max_seq_len": best.longest.max_seq_len}
+        if longest is not None:
+            longest["with_disk"] = None
+            if self.with_disk is not None:
+                disk_request, entry = self.with_disk
+                at = entry.longest.at_max
+                longest["with_disk"] = None if at is None else {
+                    "max_seq_len": entry.longest.max_seq_len,
+                    "tiers": tiers_json(at, disk_request),
+                }  # fmt: skip
         return {
-            "longest": None if best is None else {"mode": best.mode, "max_seq_len": best.longest.max_seq_len},
+            "longest": longest,
             "setup": {
                 "model": request.name,
                 "dtype": str(training.dtype).removeprefix("torch."),
@@ -154,10 +170,20 @@ class Estimate:
                 "padded": training.padded,
                 "sp_size": training.sp_size,
                 "offload_params": training.offload_params,
+                "four_bit": None if training.four_bit is None else four_bit_json(training.four_bit),
                 "simulated": True,
             },
             "modes": modes,
         }
+
+
+def four_bit_json(four_bit) -> dict:
+    return {
+        "bnb_4bit_quant_type": four_bit.bnb_4bit_quant_type,
+        "bnb_4bit_use_double_quant": four_bit.bnb_4bit_use_double_quant,
+        "bnb_4bit_compute_dtype": str(four_bit.bnb_4bit_compute_dtype).removeprefix("torch."),
+        "prepare_model_for_kbit_training": four_bit.prepare_model_for_kbit_training,
+    }
 
 
 def run_estimate(request: Request, *, echo=print, jobs: int | None = None) -> Estimate:
@@ -184,8 +210,37 @@ def run_estimate(request: Request, *, echo=print, jobs: int | None = None) -> Es
             estimate.modes.append(_estimate_mode(simulator, request, mode, pair=pair))
             if echo is not None:
                 echo(f"  simulated {mode} ({time.perf_counter() - started:.0f} s in)")
+    estimate.with_disk = past_the_host(estimate, cpus, context, echo)
     estimate.seconds = time.perf_counter() - started
     return estimate
+
+
+# "As much disk as the length takes", to say how much that is: 1 PiB.
+UNBOUNDED_DISK_BYTES = 2**50
+
+
+def past_the_host(estimate: Estimate, cpus: int, context, echo) -> tuple[Request, ModeEstimate] | None:
+    """With a host memory and no disk tier, where host memory ends the longest mode early (at its
+    answer hf_offload kept inputs on the device for want of host memory): that mode searched again
+    with a disk tier of as much disk as it takes, the device's own limit with the host and disk it
+    needs (`enable_activation_offloading(disk_dir=...)`, docs/tiers.md)."""
+    request = estimate.request
+    training = request.training
+    best = longest_mode(estimate)
+    if training.host_memory_bytes is None or training.disk_memory_bytes is not None or best is None:
+        return None
+    if not (best.longest.at_max.over_budget_bytes or best.longest.at_max.layers_kept_for_budget):
+        return None  # host memory held every offloaded input at the answer: a disk adds nothing
+    with_disk = replace(
+        request, training=replace(training, disk_memory_bytes=UNBOUNDED_DISK_BYTES), modes=[best.mode]
+    )
+    simulator = Simulator(with_disk.config, with_disk.training)
+    entry = _estimate_mode(simulator, with_disk, best.mode, pair=context if cpus > 1 else None)
+    if echo is not None:
+        echo(f"  simulated {best.mode} with a disk tier past the host's memory")
+    if (entry.longest.max_seq_len or 0) <= best.longest.max_seq_len:
+        return None  # the disk layers' staging takes host memory too: here it reaches no further
+    return with_disk, entry
 
 
 _worker_simulator: list = []  # a forked worker's model, built at its first mode
@@ -261,14 +316,31 @@ def _estimate_mode(simulator: Simulator, request: Request, mode: str, *, pair=No
         short, long_ = results[lengths[0]], results[lengths[1]]
         slope = (long_.peak_bytes - short.peak_bytes) / (long_.tokens - short.tokens)
     step = run(request.seq_len, False)
-    seconds = step_seconds(
-        training.device, step.compute, step.traffic_bytes, tflops=request.tflops, efficiency=request.efficiency
-    )
-    # Each all-to-all stands between a layer's projections and its attention: nothing to hide behind.
-    sp_seconds = step.sp_sent_bytes / (training.device.peer_gbps * 1e9)
+    timed = _step_time(step, simulator, request)
     for result in results.values():
         result.trace = None  # the per-op lines are only for the search
-    return ModeEstimate(mode, step, seconds + sp_seconds, longest, slope, sp_seconds)
+    return ModeEstimate(mode, step, timed.seconds, longest, slope, timed.exchange, timed)
+
+
+def _step_time(step: StepResult, simulator: Simulator, request: Request, kernel: str = "sdpa") -> StepTime:
+    """The step's seconds (`step_time`): with ZeRO-3 offload, its weights' gathers and the host's
+    optimizer step over the trainable parameters."""
+    training = request.training
+    trainable = sum(p.numel() for p in simulator.trainable) if training.offload_params else 0
+    return step_time(
+        training.device, step.compute, step.traffic_bytes, kernel=kernel, sp_sent_bytes=step.sp_sent_bytes,
+        params_gathered_bytes=step.params_gathered_bytes, host_trainable_parameters=trainable,
+        link_gbps=request.link_gbps, tflops=request.tflops, efficiency=request.efficiency,
+    )  # fmt: skip
+
+
+def _flash_attention_2_seconds(entry: ModeEstimate, request: Request) -> float | None:
+    """The step's seconds with FlashAttention 2's kernels, where they run at another rate."""
+    timed = entry.time
+    slowdown = attention_slowdown(FLASH_ATTENTION_2, request.training.device)
+    if timed is None or slowdown == timed.slowdown:
+        return None
+    return timed.seconds + timed.attention * (slowdown / timed.slowdown - 1)
 
 
 def tier_estimate(step: StepResult, request: Request) -> tuple[list[str], DiskTime | None] | None:
@@ -373,6 +445,7 @@ def _headline_lines(estimate: Estimate) -> list[str]:
             host = f", {_tiers_needed(at, request)}"
         lines.append(f"  {entry.mode:<34}{value:>12} tokens  (peak {size(at.peak_bytes)}{host})")
     best = longest_mode(estimate)
+    lines.extend(_host_lines(estimate, best))
     if best is not None:
         model_type = getattr(request.config.get_text_config(), "model_type", "llama")
         steps = recipe(best.mode, model_type, request.training.tile_tokens)
@@ -381,6 +454,32 @@ def _headline_lines(estimate: Estimate) -> list[str]:
                          "with `import hf_offload`:")  # fmt: skip
             lines.extend(f"    {line}" for line in steps)
     return lines
+
+
+def _host_lines(estimate: Estimate, best: ModeEstimate | None) -> list[str]:
+    """What the longest needs of the host: with unlimited host memory, the RAM its pool takes; where
+    the host's memory ended it early, what a disk tier beside it reaches and needs."""
+    training = estimate.request.training
+    if best is None or best.longest.at_max is None or not best.longest.at_max.host_bytes:
+        return []
+    if training.host_memory_bytes is None:
+        pool = best.longest.at_max.host_bytes
+        return [
+            f"  host RAM: hf_offload's pinned pool takes {size(pool)} at {best.longest.max_seq_len:,} tokens (it "
+            f"may use {HOST_MEMORY_SHARE:.0%} of the RAM: a machine with {size(pool / HOST_MEMORY_SHARE)}); with "
+            "less, --host-memory GIB says how much disk it needs instead"
+        ]
+    if estimate.with_disk is None:
+        return []
+    disk_request, entry = estimate.with_disk
+    at = entry.longest.at_max
+    if at is None:
+        return []
+    return [
+        f"  past this host's {size(training.host_memory_bytes)} of RAM, a disk tier (enable_activation_offloading("
+        f"disk_dir=...), {disk_request.disk_rate:g} GB/s) reaches {entry.longest.max_seq_len:,} tokens: "
+        f"{_tiers_needed(at, disk_request)}"
+    ]
 
 
 def format_estimate(estimate: Estimate, *, device_given: bool) -> str:
@@ -413,7 +512,7 @@ def format_estimate(estimate: Estimate, *, device_given: bool) -> str:
     for entry in estimate.modes:
         lines.append("")
         lines.extend(_composition_lines(entry))
-        copies = _copy_line(entry, request)
+        copies = _copy_line(entry, request) or _nothing_moved_line(entry, request)
         if copies:
             lines.append(copies)
         lines.extend(_parallel_lines(entry, request))
@@ -423,6 +522,7 @@ def format_estimate(estimate: Estimate, *, device_given: bool) -> str:
         lines.extend(_longest_lines(estimate))
     lines.append("")
     lines.extend(_assumption_lines(request, device_given=device_given))
+    lines.extend(_kernel_lines(estimate))
     lines.append(f"simulated in {estimate.seconds:.0f} s")
     return "\n".join(lines)
 
@@ -436,6 +536,8 @@ def _setup_line(request: Request) -> str:
         targets = training.lora_targets if isinstance(training.lora_targets, str) else ",".join(training.lora_targets)
         adapters = str(training.lora_dtype).removeprefix("torch.")
         tuning = f"LoRA r={training.lora_rank} on {targets} ({adapters} adapters)"
+        if training.four_bit is not None:
+            tuning += f" on a {training.four_bit.describe()}"
     optimizer = "AdamW step" if training.optimizer_states else "no optimizer step (forward and backward)"
     host_bytes = training.host_memory_bytes
     host = "unlimited host memory" if host_bytes is None else f"{size(host_bytes)} of host memory"
@@ -538,6 +640,36 @@ def _copy_line(entry: ModeEstimate, request: Request) -> str | None:
     )
 
 
+# Why hf_offload left saved tensors on the device (the engine's KEEP_REASONS), for a mode that moved nothing.
+_KEPT = {
+    "too_small": "under min_offload_bytes ({min_bytes})",
+    "parameter": "weights or views of them",
+    "leaf": "inputs requiring grad",
+    "kept_layer": "in the last {keep} layer(s), kept (keep_last_layers)",
+    "kept_for_budget": "in layers the device budget had room for",
+    "duplicate": "already offloaded (shared storage)",
+    "unsupported": "of a kind it does not move",
+    "over_budget": "past the host budget",
+    "no_host_memory": "without host memory",
+}
+
+
+def _nothing_moved_line(entry: ModeEstimate, request: Request) -> str | None:
+    """A mode with hf_offload that moved nothing says why: at short sequences of a small model
+    every saved tensor is under min_offload_bytes."""
+    step, training = entry.step, request.training
+    if not parse_mode(entry.mode).hf_offload or step.offloaded_bytes or not step.offload_stats:
+        return None
+    tensors, nbytes = step.offload_stats.get("kept_tensors", {}), step.offload_stats.get("kept_bytes", {})
+    reasons = [
+        f"{count} {_KEPT.get(reason, reason)}: {size(nbytes.get(reason, 0))}"
+        for reason, count in sorted(tensors.items(), key=lambda item: -nbytes.get(item[0], 0))
+        if count
+    ]
+    kept = "; ".join(reasons).format(min_bytes=size(training.min_offload_bytes), keep=training.keep_last_layers)
+    return f"  hf_offload moved nothing: the saved tensors it saw stayed on the device: {kept or 'none seen'}"
+
+
 def _parallel_lines(entry: ModeEstimate, request: Request) -> list[str]:
     step, device = entry.step, request.training.device
     lines = []
@@ -550,11 +682,15 @@ def _parallel_lines(entry: ModeEstimate, request: Request) -> list[str]:
     if step.params_host_bytes is not None:
         link = (request.link_gbps or device.link_gbps) * 1e9
         gathered = step.params_gathered_bytes
+        timed = entry.time
+        low, high = timed.host_optimizer
         lines.append(
             "  parameters offloaded (ZeRO-3, offload_param and offload_optimizer to the CPU): "
             f"{size(step.params_host_bytes)} on the host (weights, float32 gradients, master weights and AdamW "
             f"states); the device gathered {size(gathered)} of weights, {gathered / link:.2f} s at {link / 1e9:g} "
-            "GB/s, not in the step time (prefetched behind compute), nor the host's optimizer step"
+            f"GB/s, prefetched behind compute ({timed.exposed_weights:.2f} s of it not hidden); the host's optimizer "
+            f"step {low:.1f}-{high:.1f} s (DeepSpeed's CPU Adam at {HOST_MEMORY_GBPS[1]:g}-{HOST_MEMORY_GBPS[0]:g} "
+            "GB/s of host memory, assumed), in the step time at the middle of that range"
         )
     return lines
 
@@ -631,7 +767,8 @@ def _longest_lines(estimate: Estimate) -> list[str]:
         if needs:
             lines.append(
                 "host memory is unlimited here: give --host-memory GIB to hold hf_offload to a host's RAM (tensors "
-                "over its budget stay on the device, as in training)"
+                "over its budget stay on the device, as in training; the answer then says what a disk tier beside it "
+                "reaches)"
             )
     return lines
 
@@ -647,7 +784,8 @@ def _assumption_lines(request: Request, *, device_given: bool) -> list[str]:
         f"  step time: matmuls at {request.efficiency or MATMUL_EFFICIENCY:g} of the rate of their dtype, attention "
         f"(what the kernel computes: half the square when causal) at {ATTENTION_EFFICIENCY:g}, memory-bound ops at "
         f"{MEMORY_EFFICIENCY:g} of the memory bandwidth (fitted to the H200's ten step times, each within 7.1% of a "
-        "fit to the other nine); offloading's copies not included",
+        "fit to the other nine; published steps of 0.5M-15M tokens: docs/published.md); offloading's copies not "
+        "included",
     ]
     if request.tflops is not None:
         lines.append(f"  matmul rate: {request.tflops:g} TFLOP/s, given with --tflops")
@@ -662,6 +800,23 @@ def _assumption_lines(request: Request, *, device_given: bool) -> list[str]:
             "longer than a layer's forward, its read when no longer than a layer's backward (docs/tiers.md)"
         )
     return lines
+
+
+def _kernel_lines(estimate: Estimate) -> list[str]:
+    """On Hopper the attention kernel moves a long step's time by more than anything else."""
+    request = estimate.request
+    flash = [(entry.mode, _flash_attention_2_seconds(entry, request)) for entry in estimate.modes]
+    flash = [(mode, seconds) for mode, seconds in flash if seconds is not None]
+    if not flash:
+        return []
+    slowdown = attention_slowdown(FLASH_ATTENTION_2, request.training.device)
+    steps = ", ".join(f"{mode} {seconds:.2f} s" for mode, seconds in flash)
+    return [
+        "  attention kernel: the step times are for cuDNN's or FlashAttention 3's kernels (what SDPA runs on Hopper "
+        f"with a cuDNN newer than 9.15); with FlashAttention 2's (attn_implementation=\"flash_attention_2\", or SDPA's "
+        f"flash backend) attention takes {slowdown:g}x as long (fitted to published H100 steps, docs/published.md): "
+        + steps
+    ]
 
 
 def format_json(estimate: Estimate) -> str:

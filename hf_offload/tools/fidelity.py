@@ -16,6 +16,7 @@ from hf_offload.internal import unwrap_model
 from hf_offload.tools.devices import DEVICES, HOPPER_CUBLAS_WORKSPACE, Device
 from hf_offload.tools.modes import parse_mode
 from hf_offload.tools.simulator import NOT_SIMULATED, Simulator, Training
+from hf_offload.tools.simulator.four_bit import four_bit_of
 
 
 def device_for(device: torch.device) -> Device:
@@ -45,7 +46,13 @@ def training_of(model, *, device: torch.device, batch_size: int = 1, min_offload
         )
     if min_offload_bytes is not None:
         options["min_offload_bytes"] = min_offload_bytes
-    return Training(dtype=base.dtype, optimizer_states=0, batch_size=batch_size, device=device_for(device), **options)
+    if device.type == "cuda":  # what tiling's default slices are sized to, read as the product reads it
+        options["device_memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
+    dtype = base.dtype
+    quantized = four_bit_of(base)
+    if quantized is not None:  # a 4-bit base: its BitsAndBytesConfig, in the dtype it was loaded in
+        options["four_bit"], dtype = quantized
+    return Training(dtype=dtype, optimizer_states=0, batch_size=batch_size, device=device_for(device), **options)
 
 
 def simulator_for(model, *, device: torch.device, batch_size: int = 1, min_offload_bytes: int | None = None):

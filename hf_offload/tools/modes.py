@@ -32,6 +32,12 @@ WITHOUT_HF_OFFLOAD = {
     "hf_offload_auto": "none",
     "checkpointing+hf_offload_auto": "checkpointing",
 }
+# Modes whose offloading is not hf_offload's and needs an accelerator (pinned memory, streams): the
+# bench skips them on a machine without one, and the simulator, on the meta device, cannot run them.
+NEEDS_ACCELERATOR = {
+    "transformers_offload": "transformers' offload=True copies with torch's save_on_cpu, which pins host memory",
+    "trl_offload": "TRL's offloading needs an accelerator's streams",
+}
 LIGER = "+liger"
 TILED = "+tiled"
 SUFFIXES = (LIGER, TILED)

@@ -3,6 +3,9 @@ downloaded), and reading a user's own config."""
 
 from __future__ import annotations
 
+import json
+import os
+import re
 from pathlib import Path
 
 PRESET_CONFIGS = {
@@ -19,6 +22,25 @@ PRESET_CONFIGS = {
                        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
                        max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
                        tie_word_embeddings=False),
+    # Llama-3.1-8B's config.json (8,030,261,248 parameters; its RoPE scaled to 131072 positions).
+    "llama-3.1-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                         max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
+                         rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                           original_max_position_embeddings=8192),
+                         tie_word_embeddings=False),
+    # Llama-3.3-70B-Instruct's config.json (70,553,706,496 parameters; Llama 3.1's RoPE scaling).
+    "llama-3.3-70b": dict(model_type="llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                          num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
+                          max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
+                          rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                            original_max_position_embeddings=8192),
+                          tie_word_embeddings=False),
+    # Qwen3-8B's config.json (8,190,735,360 parameters; q and k normed per head, no biases).
+    "qwen3-8b": dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                     max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                     tie_word_embeddings=False),
     # Qwen2-7B's config.json (7,615,616,512 parameters; Qwen2 has biases on q, k and v).
     "qwen2-7b": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                      num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
@@ -56,19 +78,74 @@ class ConfigError(ValueError):
     """A model config the tools cannot use: names the file or id and what is wrong."""
 
 
+# A hub id: "name" or "org/name" (what huggingface_hub accepts as a repo id, roughly).
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+
+
+def check_model_argument(model: str) -> str:
+    """The checks of a model's name that need no import, before the command loads anything: a
+    local directory with a config.json that is a JSON object with a model_type (or that
+    config.json itself), else something shaped like a hub id ("name" or "org/name"). A path
+    that does not exist is said to be one, not taken for a hub id. Returns `model`."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        read_config_file(path / "config.json")
+    elif path.is_file():
+        read_config_file(path)
+    elif _looks_like_a_path(model):
+        raise ConfigError(
+            f"{model!r}: no such directory (a local model is a directory holding its config.json; a hub id is "
+            "'name' or 'org/name')"
+        )
+    elif not _HUB_ID.match(model):
+        raise ConfigError(f"{model!r} is neither a local directory nor a hub id ('name' or 'org/name')")
+    return model
+
+
+def _looks_like_a_path(text: str) -> bool:
+    return (
+        text.startswith(("/", "./", "../", "~", "."))
+        or text.count("/") > 1
+        or (os.sep != "/" and os.sep in text)
+        or text.endswith(".json")
+    )
+
+
+def read_config_file(file: Path) -> dict:
+    """A config.json's fields, as far as they can be checked without transformers: JSON, an
+    object, a model_type."""
+    if not file.is_file():
+        raise ConfigError(f"{file.parent} has no config.json (the tools read a model's config.json, never its weights)")
+    try:
+        fields = json.loads(file.read_text())
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{file} is not valid JSON: {error}") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError(f"cannot read {file}: {error}") from None
+    if not isinstance(fields, dict):
+        raise ConfigError(f"{file} holds a JSON {type(fields).__name__}, not an object of a config's fields")
+    model_type = fields.get("model_type")
+    if not isinstance(model_type, str) or not model_type:
+        raise ConfigError(
+            f"{file} has no field 'model_type' (such as \"llama\"), from which transformers knows the model to build"
+        )
+    return fields
+
+
 def load_config(model: str | Path, *, trust_remote_code: bool = False):
     """The config of a local model directory (its config.json; never weights) or a hub id (only
     its config.json is fetched). Code from the hub runs only with `trust_remote_code=True`."""
     from transformers import AutoConfig
 
     path = Path(model).expanduser()
-    local = path.is_dir()
-    where = f"{path / 'config.json'}" if local else f"the hub id {str(model)!r}"
-    if local and not (path / "config.json").is_file():
+    local = path.is_dir() or path.is_file()  # a directory, or its config.json
+    where = f"{path / 'config.json'}" if path.is_dir() else str(path) if local else f"the hub id {str(model)!r}"
+    if path.is_dir() and not (path / "config.json").is_file():
         raise ConfigError(f"{path} has no config.json")
+    reachable = local or _hub_reachable()
     try:
         config = AutoConfig.from_pretrained(
-            str(path) if local else str(model), local_files_only=local, trust_remote_code=trust_remote_code
+            str(path) if local else str(model), local_files_only=not reachable, trust_remote_code=trust_remote_code
         )
     except ValueError as error:
         text = str(error)
@@ -78,10 +155,53 @@ def load_config(model: str | Path, *, trust_remote_code: bool = False):
             ) from None
         raise ConfigError(f"cannot read {where}: {text.splitlines()[0]}") from None
     except OSError as error:
+        if not reachable:
+            raise ConfigError(
+                f"cannot read {where}: the hub cannot be reached from here (offline) and its config.json is not in the "
+                "Hugging Face cache; put the model's config.json in a directory and give that directory"
+            ) from None
         raise ConfigError(f"cannot read {where}: {str(error).splitlines()[0]}") from None
     text_config = config.get_text_config()
     for field in ("hidden_size", "num_hidden_layers", "vocab_size"):
         value = getattr(text_config, field, None)
         if not isinstance(value, int) or value < 1:
             raise ConfigError(f"{where}: field {field!r} must be a positive integer, got {value!r}")
+    _check_causal_lm(config, where)
     return config
+
+
+def _hub_reachable() -> bool:
+    """Whether the hub's host name resolves: offline, huggingface_hub retries for about 25 s
+    before it gives up; the cache is all there is then. False with HF_HUB_OFFLINE set."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    try:
+        socket.getaddrinfo(urlparse(constants.ENDPOINT).hostname, 443)
+    except OSError:
+        return False
+    return True
+
+
+def _check_causal_lm(config, where: str) -> None:
+    """What the tools simulate and measure is causal-LM training: a model type transformers has
+    an AutoModelForCausalLM class for (or the config's own, from the hub), as a decoder."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = getattr(config, "model_type", None)
+    remote = "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {})
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not remote:
+        raise ConfigError(
+            f"{where}: model_type {model_type!r} has no causal-LM class in transformers (AutoModelForCausalLM), and "
+            "the tools train causal LMs: decoder models such as llama, qwen2, mistral, gemma "
+            f"({len(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)} types in all)"
+        )
+    if getattr(config, "is_decoder", True) is False:  # BERT and its kin: an encoder unless told otherwise
+        raise ConfigError(
+            f"{where}: a {model_type} encoder (is_decoder is false): its attention is bidirectional and it trains on "
+            'masked tokens, not as a causal LM; set "is_decoder": true in config.json to train it as one'
+        )

@@ -33,19 +33,16 @@ import time
 import torch
 
 from hf_offload.engine.disk import DiskStore
-from hf_offload.engine.handles import HostLedger
 from hf_offload.engine.pool import HostPool, rounded_size
 from hf_offload.engine.streams import SimulatedStreams
 
 
 class _Context:
-    """What the store needs of a device context: streams, pool, ledger."""
+    """What the store needs of a device context: streams, and a pool (with no host budget)."""
 
     def __init__(self) -> None:
         self.streams = SimulatedStreams()
         self.pool = HostPool(self.streams)
-        self.ledger = HostLedger()
-        self.ledger.max_host_bytes = 2**62
 
 
 class _Tensor:
@@ -70,8 +67,7 @@ def tier_throughput(directory: str, total: int, tensor: int) -> tuple[float, flo
     count = max(1, total // size)
     tensors = [_Tensor(size) for _ in range(count)]
     for index, each in enumerate(tensors):
-        each.host_block = context.pool.acquire(size, 2**62)
-        context.ledger.host_bytes += size
+        each.host_block = context.pool.acquire(size)
         each.host_block.view(size).fill_(index % 251)
     marks = [(each.host_block.view(size)[:: 1 << 20].clone()) for each in tensors]
     event = context.streams.record(context.streams.copy_stream)
@@ -84,7 +80,7 @@ def tier_throughput(directory: str, total: int, tensor: int) -> tuple[float, flo
     write_seconds = time.perf_counter() - started
     started = time.perf_counter()
     for each in tensors:
-        store.read(each, context, 2**62, needed_now=True)
+        store.read(each, context, needed_now=True)
     for each in tensors:
         if each.job is not None:  # settled already by an earlier wait
             store.wait(each.job)

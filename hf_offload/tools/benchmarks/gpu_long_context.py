@@ -21,6 +21,12 @@ on the device, batch 1, non-reentrant checkpointing in every mode:
    pieces of issue 24, then attention tiled over heads, the final norm with the loss head, the
    embeddings' output offloaded, the layer before back after the peak), peak and step time beside
    the simulator's peak;
+3c. QLoRA (`--stages qlora`, docs/qlora.md): Llama-3.1-8B's shape loaded in 4 bits (nf4, double
+   quantization, bf16 compute: QLoRA's recipe; random weights quantized on the device by
+   bitsandbytes, as from_pretrained with the BitsAndBytesConfig quantizes them), LoRA r=32 on every
+   linear layer, checkpointing + hf_offload + tiling at `--qlora-lengths` (32768 and 65536): peak
+   and step time, each beside the simulator's; the longest sequence for this GPU and smaller ones
+   from the measured slope beside the simulator's. Needs bitsandbytes (docs/benchmarks.md);
 4. the disk tier (`--stages disk`, docs/tiers.md): the machine's disk through the tier against dd
    with direct I/O; the pool's exact-size pinned memory (registered) against torch's pinned
    allocator (is it pinned, does it copy as fast, how much torch's allocator rounds); whether
@@ -71,7 +77,7 @@ TILING_MODES = (
     "checkpointing+hf_offload+tiled",
 )
 TILING_TIME_LIMITS = (1.10, 1.05)  # tiled / untiled step time, at the first and the second length
-STAGES = ("peaks", "tiling", "ladder", "tests", "disk")
+STAGES = ("peaks", "tiling", "ladder", "qlora", "tests", "disk")
 # The longest-context recipe piece by piece (docs/longest_context.md): each rung turns one more on.
 DISK_TIME_LIMIT = 1.05  # step time with most layer inputs on disk / all in host memory
 EIGHTY_GB = int(DEVICES["h100-80gb"].memory_gib * 2**30)  # what an 80 GB GPU leaves usable (estimate's preset)
@@ -220,6 +226,60 @@ def ladder_stage(model, device: torch.device, length: int, simulator) -> None:
             else f"| {name} | {record.status} | | | |",
             flush=True,
         )
+
+
+# QLoRA's recipe (nf4, double quantization, bf16 compute) with Unsloth's table's adapters (docs/qlora.md).
+QLORA_MODE = "checkpointing+hf_offload+tiled"
+QLORA_RANK = 32
+QLORA_PRESET = "llama-3.1-8b"
+# The cards QLoRA is for, as the estimate's presets leave them usable (the measured line, whose
+# slices were sized for the GPU measured, predicts them roughly: theirs are smaller).
+QLORA_BUDGETS = {f"an {name} ({DEVICES[name].memory_gib:g} GiB usable)": int(DEVICES[name].memory_gib * 2**30)
+                 for name in ("rtx4090", "rtx4060ti-16gb")}  # fmt: skip
+
+
+def qlora_stage(preset: str, device: torch.device, dtype: torch.dtype, lengths: tuple[int, int], *,
+                budgets: dict[str, int | None], granularity: int, memory_limit: int | None) -> None:  # fmt: skip
+    """A 4-bit base with LoRA r=32, the tiled recipe at two lengths: the peak and step time of each
+    beside the simulator's, and the longest sequence for each budget from the measured slope beside
+    the simulator's lines through the same two lengths."""
+    from peft import LoraConfig, get_peft_model
+
+    from hf_offload.tools.devices import step_seconds
+    from hf_offload.tools.simulator.four_bit import FourBit, quantize
+
+    model = quantize(build_model(preset, None, device, dtype), FourBit("nf4", True, torch.bfloat16), dtype)
+    model = get_peft_model(model, LoraConfig(r=QLORA_RANK, target_modules="all-linear"))
+    simulator = simulator_for(model, device=device)
+    results = max_seq(model, modes=[QLORA_MODE], slope_lens=lengths, device=device, method="slope",
+                      granularity=granularity, steps=1, memory_limit=memory_limit)  # fmt: skip
+    print(max_seq_table(results, device=device))
+    budgets = _measured_budgets(budgets, results, device)
+    (result,) = results
+    probes = [p for p in result.probes[:2] if p.status == "ok"]
+    simulated = [simulator.run(QLORA_MODE, p.seq_len, trace=True) for p in probes]
+    rates = simulator.training.device
+    print("\nthe simulator beside the measurement (peak: allocated bytes; step: the time model at this GPU's rates):")
+    print("| length | measured GiB | simulated GiB | measured / simulated | measured step s | simulated step s |")
+    print("|---|---|---|---|---|---|")
+    for probe, step in zip(probes, simulated, strict=True):
+        measured = probe.peak_device_bytes
+        ratio = "-" if measured is None else f"{measured / step.peak_bytes:.3f}"
+        seconds = step_seconds(rates, step.compute, step.traffic_bytes)
+        print(f"| {probe.seq_len} | {_gib(measured)} | {_gib(step.peak_bytes)} | {ratio} | "
+              f"{probe.step_seconds or 0:.2f} | {seconds:.2f} |")  # fmt: skip
+    print("\nthe longest sequence, from the two lengths (measured slope; simulated lines):")
+    print("| budget | measured | simulated |")
+    print("|---|---|---|")
+    for name, budget in budgets.items():
+        measured = "-"
+        if result.bytes_per_token is not None:
+            measured = predict_max_seq(result.bytes_per_token, result.fixed_bytes, budget, granularity) or "-"
+        predicted = None
+        if len(simulated) == 2:
+            predicted = predict_longest(simulated[0], simulated[1], budget - rates.workspace_bytes)
+        shown = "-" if predicted is None else predicted // granularity * granularity
+        print(f"| {name} | {measured} | {shown} |")
 
 
 def _gib(nbytes: int | None) -> str:
@@ -378,6 +438,9 @@ def main(argv=None) -> int:
     parser.add_argument("--stages", nargs="+", choices=STAGES, default=list(STAGES), help="default: all")
     parser.add_argument("--disk-length", type=int, default=None, help="the disk stage's length (65536)")
     parser.add_argument("--ladder-length", type=int, default=None, help="the ladder stage's length (131072)")
+    parser.add_argument(
+        "--qlora-lengths", type=int, nargs=2, default=None, help="the qlora stage's two lengths (32768 65536)"
+    )
     parser.add_argument("--disk-dir", default=None, help="where the disk stage writes (default: the temp dir)")
     parser.add_argument("--skip-tests", action="store_true", help="the same as leaving 'tests' out of --stages")
     parser.add_argument("--cpu-smoke", action="store_true", help="run every stage on the CPU (tiny model)")
@@ -401,11 +464,24 @@ def main(argv=None) -> int:
     print(f"device: {where}, torch {torch.__version__}, CUDA {torch.version.cuda}")
     print(f"packages: {package_versions()}; preset {preset}, LoRA r=16 on all linears, {str(dtype)[6:]}, batch 1")
 
+    stages = [stage for stage in args.stages if not (stage == "tests" and args.skip_tests)]
+    # First, with nothing else on the device: its model is its own (the others share one, below).
+    if "qlora" in stages:
+        first, second = args.qlora_lengths or ((512, 1024) if args.cpu_smoke else (32768, 65536))
+        print(f"\n== 3c. QLoRA: {QLORA_PRESET if not args.cpu_smoke else preset} in 4 bits, LoRA r={QLORA_RANK}, at "
+              f"{first} and {second} tokens ({time.perf_counter() - started:.0f} s in) ==", flush=True)  # fmt: skip
+        qlora_budgets = budgets if args.cpu_smoke else dict(budgets, **QLORA_BUDGETS)
+        qlora_stage("tiny" if args.cpu_smoke else QLORA_PRESET, device, dtype, (first, second), budgets=qlora_budgets,
+                    granularity=args.granularity, memory_limit=memory_limit)  # fmt: skip
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if not set(stages) & {"peaks", "tiling", "ladder", "disk", "tests"}:
+        print(f"\n== done in {time.perf_counter() - started:.0f} s, exit status 0 ==")
+        return 0
     model = build_model(preset, None, device, dtype)
     from peft import LoraConfig, get_peft_model
 
     model = get_peft_model(model, LoraConfig(r=16, target_modules="all-linear"))
-    stages = [stage for stage in args.stages if not (stage == "tests" and args.skip_tests)]
     simulator = simulator_for(model, device=device)
     measure = dict(device=device, method="slope", granularity=args.granularity, steps=1, memory_limit=memory_limit)
     if "peaks" in stages:

@@ -110,9 +110,10 @@ def measure(args: argparse.Namespace, mode: str, length: int, device: torch.devi
     ulysses = sp.register_ulysses(model, world, micro_batch_size=1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, mpu=ulysses.mpu)
-    generator = torch.Generator().manual_seed(length)
+    # Every rank a batch of its own, as Ulysses expects (adapt refuses ranks holding the same ones).
+    generator = torch.Generator().manual_seed(length * world + dist.get_rank())
     ids = torch.randint(model.config.vocab_size, (1, length), generator=generator)
-    batches = [{"input_ids": ids, "labels": ids}] * -(-args.steps // world)  # every rank the same
+    batches = [{"input_ids": ids, "labels": ids}] * -(-args.steps // world)
     times, peaks, losses = [], [], []
     for step, batch in enumerate(ulysses.adapt(batches)):
         if step == args.steps:

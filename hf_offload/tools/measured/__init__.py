@@ -1,8 +1,11 @@
-"""What was measured on GPUs: one JSON file per run, with its date, hardware, versions and commit.
-The one home of every measured figure: the device presets, the simulator's tests, the time model's
-fit and the plots read them from here, and the docs cite the file.
+"""What was measured on GPUs: one JSON file per run, with its date, hardware, versions and commit;
+and what others measured and published (`published.json`: each figure with its source, setup and
+whether it was re-read). The one home of every measured figure: the device presets, the
+simulator's tests, the time model's fit and the plots read them from here, and the docs cite the
+file.
 
-    python -m hf_offload.tools.measured        # the H200's figures as markdown tables
+    python -m hf_offload.tools.measured              # the H200's figures as markdown tables
+    python -m hf_offload.tools.measured --published  # the published figures, with their sources
 """
 
 from __future__ import annotations
@@ -12,6 +15,9 @@ from functools import cache
 from pathlib import Path
 
 H200 = "h200-2026-11-30.json"
+PUBLISHED = "published.json"
+# What a published figure is (published.json's "figure_kinds" says each in words).
+FIGURE_KINDS = ("step_seconds", "peak_gib", "peak_gb", "trained_tokens", "longest_tokens")
 # The modes whose peaks and times the simulator predicts (the others' offloading is not hf_offload's).
 SIMULATED_MODES = ("none", "hf_offload", "checkpointing", "checkpointing+hf_offload")
 # Steps whose time the time model predicts: no offloading, whose copies it leaves out.
@@ -66,4 +72,54 @@ def markdown(name: str = H200) -> str:
             f"| {step['model']} | {tuning} | {step['mode']} | {step['seq_len']} | {step['peak_gib']:.2f} "
             f"| {step['step_ms']:g} | {offloaded} | `{step['command']}` |"
         )
+    return "\n".join(lines)
+
+
+def published_points(name: str = PUBLISHED) -> list[dict]:
+    """The published points: {"id", "source": {"title", "url", "version", "read", "note"}, "model",
+    "preset", "gpus", "gpu", "device" (a --device preset or None), "seq_len", "setup": {...},
+    "figures": [{"kind", "value", ...}]}, checked for what every reader relies on."""
+    points = load(name)["points"]
+    seen = set()
+    for point in points:
+        where = f"{name}: point {point.get('id')!r}"
+        if point["id"] in seen:
+            raise ValueError(f"{where} appears twice")
+        seen.add(point["id"])
+        source = point["source"]
+        if not (source.get("title") and source.get("url") and isinstance(source.get("read"), bool)):
+            raise ValueError(f"{where} needs a source with a title, a url and read: true or false")
+        if not source["read"] and "not re-read" not in source.get("note", ""):
+            raise ValueError(f"{where} was not read at its source: its note must say 'not re-read' and why")
+        for figure in point["figures"]:
+            if figure["kind"] not in FIGURE_KINDS:
+                raise ValueError(f"{where} has a figure of kind {figure['kind']!r}; known: {', '.join(FIGURE_KINDS)}")
+    return points
+
+
+def published_point(point_id: str, name: str = PUBLISHED) -> dict:
+    points = {point["id"]: point for point in published_points(name)}
+    if point_id not in points:
+        raise ValueError(f"no published point {point_id!r}; known: {', '.join(points)}")
+    return points[point_id]
+
+
+def published_markdown(name: str = PUBLISHED) -> str:
+    """Every published figure as a markdown table, one row a figure, with its source."""
+    run = load(name)
+    lines = [f"Published measurements ({name}), sources read on {run['checked']}. {run['how']}", ""]
+    lines += ["| point | model | GPUs | tokens | figure | as published | source | re-read |", "|---|" * 8]
+    lines[-1] = "|---|---|---|---|---|---|---|---|"
+    for point in published_points(name):
+        source = point["source"]
+        tokens = "-" if point["seq_len"] is None else f"{point['seq_len']:,}"
+        for figure in point["figures"]:
+            value = figure.get("as_published") or f"{figure['value']:,}"
+            if "memory_gb" in figure:
+                value = f"{figure['memory_gb']} GB: {figure['value']:,} tokens"
+            lines.append(
+                f"| {point['id']} | {point['model']} | {point['gpus']} x {point['gpu']} | {tokens} | {figure['kind']} "
+                f"| {value} | [{source['title']}]({source['url']}), {source['version']} | "
+                f"{'yes' if source['read'] else 'no'} |"
+            )
     return "\n".join(lines)

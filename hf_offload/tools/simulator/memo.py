@@ -11,8 +11,8 @@ them, so that tiling's slices call it.
 A call is memoised when it is a pure function of what the key holds: grad off (a forward slice),
 or grad on inside an autograd node with no saved-tensor hooks (a slice recomputed in backward).
 The key is what the call actually is: the module instance, the arguments' shapes, strides,
-dtypes and whether they require grad, grad mode, the autocast state, and the phase and module
-the step's attribution is in. Any other call runs as it is.
+dtypes, whether they require grad and whether each is a view, grad mode, the autocast state, and
+the phase and module the step's attribution is in. Any other call runs as it is.
 
 - The first call with a key runs the module for real in a sandbox account of the tracker, on
   fresh tensors like its arguments, and learns its effect: its own peak over what was live at
@@ -21,12 +21,17 @@ the step's attribution is in. Any other call runs as it is.
   own peak, and the gradients it returns. The call is then replayed.
 - Under autocast (mixed precision) nothing is replayed: its cache of casts outlives a call, so
   what one allocates depends on the calls before it.
-- The second call with the key is learnt again and must agree with the first; if it does not,
-  or the call did anything a replay cannot repeat (changed an input in place, left something
-  allocated besides its outputs and saved tensors, recorded an output of transformers' output
-  capturing, as MoE routers do, depended on a tensor requiring grad that is neither an argument
-  nor one of the module's parameters), that key runs for real from then on. The fast path is
-  exact, or steps aside.
+- The second call with the key is learnt again, from its own arguments, and must agree with the
+  first; if it does not, or the call did anything a replay cannot repeat (changed an input in
+  place, left something allocated besides its outputs and saved tensors, recorded an output of
+  transformers' output capturing, as MoE routers do, depended on a tensor requiring grad that is
+  neither an argument nor one of the module's parameters), that key runs for real from then on.
+  The key fixes everything the sandbox takes from the arguments (shapes, strides, dtypes, grad,
+  whether each is a view; arguments sharing storage are not replayed), so what the second
+  learning can find is what the key does not hold: state of the module or the process that
+  changed between the first two calls (a buffer, a counter, a hook). State that changes only
+  later is not seen: the replay assumes a call's effect is a function of its key, as tiling's
+  slices are.
 - Later calls replay: the tracker gets the call's peak over its live bytes (`transient`), the
   outputs and saved bytes are allocated as fresh meta tensors under the tags they had, and the
   counts are added. With grad, a `torch.autograd.Function` stands for the call: its backward
@@ -228,10 +233,13 @@ class SliceMemo:
             return self._real(forward, args, kwargs)
         state.seen += 1
         if state.seen <= 2:
+            # Each of the first two calls is learnt from its own arguments; the first's stays, for the
+            # backwards learnt later and for running the call again (_run_backward).
+            call = _call_of(module, forward, args, kwargs, self.tracker.tag)
             if state.call is None:
-                state.call = _call_of(module, forward, args, kwargs, self.tracker.tag)
+                state.call = call
             try:
-                learnt = self._learn(state.call, grad)
+                learnt = self._learn(call, grad)
             except _NotReplayable:
                 learnt = None
             if learnt is None or (state.entry is not None and not state.entry.same_as(learnt)):
@@ -493,8 +501,14 @@ class _Replay(torch.autograd.Function):
 
 def call_key(module: nn.Module, args: tuple, kwargs: dict, grad: bool, tag: tuple) -> tuple:
     """What a call is: the module instance (layers that look alike may differ: a dense MLP before
-    MoE blocks, a sliding-window layer between global ones), its arguments' metadata, grad mode,
-    autocast, and where the step's attribution is."""
+    MoE blocks, a sliding-window layer between global ones), its arguments' metadata (whether
+    each is a view included: a view's storage outlives the call's backward, an argument held by
+    the graph alone is freed during it), grad mode, autocast, and where the step's attribution is.
+    Arguments that share storage with one another are not replayable: the sandbox gives each a
+    fresh tensor of its own."""
+    storages = [id(t.untyped_storage()) for t in _flatten((args, kwargs)) if isinstance(t, torch.Tensor)]
+    if len(set(storages)) != len(storages):
+        raise _NotReplayable
     return (id(module), grad, _describe(args), _describe(kwargs), _autocast_state(), tag)
 
 
@@ -502,7 +516,7 @@ def _describe(value):
     if isinstance(value, torch.Tensor):
         if not value.is_meta:
             raise _NotReplayable
-        return (value.shape, value.stride(), value.dtype, value.requires_grad)
+        return (value.shape, value.stride(), value.dtype, value.requires_grad, value._base is not None)
     if isinstance(value, (list, tuple)):
         return tuple([_describe(item) for item in value])
     if isinstance(value, dict):

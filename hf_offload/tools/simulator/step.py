@@ -19,13 +19,13 @@ import contextlib
 import gc
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 
 import torch
 
 import hf_offload
-from hf_offload.config import DEFAULT_MIN_OFFLOAD_BYTES, DISK_SPACE_SHARE, HOST_MEMORY_SHARE
+from hf_offload.config import DEFAULT_MIN_OFFLOAD_BYTES, DISK_SPACE_SHARE, HOST_MEMORY_SHARE, TilingOptions
 from hf_offload.internal import (
     MetaStreams,
     TierPlan,
@@ -36,8 +36,9 @@ from hf_offload.internal import (
     unwrap_model,
 )
 from hf_offload.tools.devices import DEVICES, Device
-from hf_offload.tools.modes import Mode, parse_mode, set_checkpointing, set_liger_flce
+from hf_offload.tools.modes import NEEDS_ACCELERATOR, Mode, parse_mode, set_checkpointing, set_liger_flce
 
+from .four_bit import FourBit, dequantizing_gemm, quantize, quantized_state_tensors
 from .memo import SliceMemo
 from .stand_ins import (
     UlyssesTraffic,
@@ -50,10 +51,7 @@ from .stand_ins import (
 from .tracker import MemoryTracker, Peak
 
 # Modes whose offloading is not hf_offload's: they need pinned memory or an accelerator.
-NOT_SIMULATED = {
-    "transformers_offload": "transformers' offload=True copies with torch's save_on_cpu, which pins host memory",
-    "trl_offload": "TRL's offloading needs an accelerator's streams",
-}
+NOT_SIMULATED = NEEDS_ACCELERATOR
 
 
 @dataclass(frozen=True)
@@ -91,6 +89,14 @@ class Training:
     # Weights, gradients and optimizer state on the host, as DeepSpeed ZeRO-3 with offload_param and
     # offload_optimizer to the CPU keeps them (`ParameterOffload` below).
     offload_params: bool = False
+    # The parts the "+tiled" modes tile, as enable_sequence_tiling's keyword options (mlp, norms,
+    # projections, attention, loss: `hf_offload.TilingOptions`); None: its defaults, every part.
+    # ALST's tiling is the MLP alone: dict(mlp=True, norms=False, projections=False, attention=False, loss=False).
+    # Kept as sorted (name, value) pairs, so that a Training stays hashable.
+    tiling: Mapping[str, bool] | tuple[tuple[str, bool], ...] | None = None
+    # A base loaded in 4 bits by bitsandbytes (QLoRA's), as BitsAndBytesConfig(load_in_4bit=True, ...)
+    # says (`four_bit.py`); None: the weights in `dtype`.
+    four_bit: FourBit | None = None
 
     def __post_init__(self) -> None:
         if self.optimizer_states not in (0, 2):
@@ -107,6 +113,16 @@ class Training:
             # Under Ulysses each rank's mask covers its shard only; what DeepSpeed does with a
             # padding mask is not simulated.
             raise ValueError("a padded batch under sequence parallelism is not simulated: drop padded or sp_size")
+        if self.tiling is not None:
+            parts = dict(self.tiling)
+            if "tile_tokens" in parts:
+                raise ValueError("give tile_tokens as Training.tile_tokens, not in tiling")
+            TilingOptions.from_kwargs(**parts)  # an unknown part or a non-bool fails here, by name
+            object.__setattr__(self, "tiling", tuple(sorted(parts.items())))
+        if self.four_bit is not None and self.lora_rank is None:
+            raise ValueError("a 4-bit base is trained through adapters: give lora_rank with four_bit")
+        if self.four_bit is not None and self.offload_params:
+            raise ValueError("a 4-bit base with offload_params is not simulated: drop four_bit or offload_params")
         if self.host_memory_bytes is not None and self.host_memory_bytes <= 0:
             raise ValueError(f"host_memory_bytes must be > 0 or None, got {self.host_memory_bytes}")
         if self.disk_memory_bytes is not None:
@@ -412,6 +428,8 @@ class Simulator:
         self.tracker = MemoryTracker()
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=training.dtype)
+        if training.four_bit is not None:
+            model = quantize(model, training.four_bit, training.dtype)
         if training.lora_rank is not None:
             from peft import LoraConfig, get_peft_model
 
@@ -428,6 +446,8 @@ class Simulator:
                 self.tracker.adopt(parameter)
         for buffer in model.buffers():
             self.tracker.adopt(buffer)
+        for statistics in quantized_state_tensors(model):
+            self.tracker.adopt(statistics)
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         for parameter in self.trainable:
             parameter.register_post_accumulate_grad_hook(lambda p: self.tracker.retag(p.grad, ("gradients", "")))
@@ -487,18 +507,20 @@ class Simulator:
                 set_liger_flce(base, True)
                 stack.callback(set_liger_flce, base, False)
                 stack.enter_context(simulated_liger_loss())
+            if mode.budget and device_memory is None:
+                raise ValueError(f"mode {mode.name!r} reads the device's memory: give the device memory")
+            if device_memory is not None:
+                # What the product reads of the device: "auto"'s free memory, the total that sizes
+                # tiling's default slices.
+                stack.enter_context(simulated_device(read_device))
             if mode.tiled:
                 if self.replay:
                     # Under tiling's wrappers, so that its slices call the memo.
                     self.memo = SliceMemo(tracker)
                     stack.enter_context(self.memo.installed(self._memo_modules()))
-                hf_offload.enable_sequence_tiling(base, tile_tokens=training.tile_tokens)
+                hf_offload.enable_sequence_tiling(base, tile_tokens=training.tile_tokens, **dict(training.tiling or ()))
                 stack.callback(hf_offload.disable_sequence_tiling, base)
             if mode.hf_offload:
-                if mode.budget:
-                    if device_memory is None:
-                        raise ValueError(f"mode {mode.name!r} reads the device's memory: give the device memory")
-                    stack.enter_context(simulated_device(read_device))
                 # With a disk tier the host budget holds what the disk does not: the step offloads
                 # everything, and `place_tiers` judges the two tiers after it.
                 host = None if training.disk_memory_bytes is not None else training.host_budget_bytes
@@ -517,6 +539,8 @@ class Simulator:
             stack.enter_context(attention_as_on_cuda(training.device.compute_capability))
             if training.autocast is not None:
                 stack.enter_context(autocast_as_on_cuda(tracker.in_the_step))
+            if training.four_bit is not None:
+                stack.enter_context(dequantizing_gemm())
             if training.sp_size > 1:
                 # After tiling's wrappers: Ulysses gathers the sequence, then attention tiled over heads runs.
                 implementation = base.config._attn_implementation or "sdpa"

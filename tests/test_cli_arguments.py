@@ -1,0 +1,150 @@
+"""The `hf-offload` commands' arguments checked before anything is loaded, simulated or trained:
+each bad value or combination fails at once with the option named, what is wrong and what would
+be valid. Mostly `estimate`; `bench` and `demo` share its checks of a model directory."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import hf_offload.tools.estimate as estimate_module
+from hf_offload.tools import presets
+from hf_offload.tools.cli import main
+
+LLAMA = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128}  # fmt: skip
+
+
+@pytest.fixture
+def nothing_loaded(monkeypatch):
+    """Fails the test if the model's config is read or anything simulated."""
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the error should have come before the config was read or anything simulated")
+
+    monkeypatch.setattr(presets, "load_config", loaded)
+    monkeypatch.setattr(estimate_module, "run_estimate", loaded)
+
+
+def error_of(capsys, *args: str, command: str = "estimate") -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, *args])
+    assert exit_info.value.code == 2
+    return capsys.readouterr().err
+
+
+def config_dir(tmp_path, content: str, name: str = "model"):
+    directory = tmp_path / name
+    directory.mkdir()
+    (directory / "config.json").write_text(content)
+    return directory
+
+
+@pytest.mark.parametrize(
+    "content,fragment",
+    [
+        ('{"model_type": "llama",', "config.json is not valid JSON: Expecting property name"),
+        ("[1, 2]", "config.json holds a JSON list, not an object of a config's fields"),
+        ('{"hidden_size": 64}', "config.json has no field 'model_type' (such as \"llama\")"),
+    ],
+)
+def test_a_config_json_that_cannot_be_one_is_named_before_anything_loads(
+    tmp_path, capsys, nothing_loaded, content, fragment
+):
+    assert fragment in error_of(capsys, "--model", str(config_dir(tmp_path, content)))
+
+
+@pytest.mark.parametrize("path", ["/no/such/model", "./no/such/model", "~/no-such-model-dir", "models/x/y"])
+def test_a_missing_local_path_is_not_taken_for_a_hub_id(capsys, nothing_loaded, path):
+    err = error_of(capsys, "--model", path)
+    assert f"argument --model: {path!r}: no such directory" in err and "hub id '" not in err
+
+
+def test_text_that_is_neither_a_path_nor_a_hub_id(capsys, nothing_loaded):
+    assert "'two words' is neither a local directory nor a hub id ('name' or 'org/name')" in error_of(
+        capsys, "--model", "two words"
+    )
+
+
+def test_an_encoder_is_refused_as_not_a_causal_lm(tmp_path, capsys):
+    """BERT's config at the default 8192 tokens gave a raw traceback from its position embeddings
+    (512); at 256 tokens it was simulated as a causal LM. Its config says it is an encoder."""
+    bert = {"model_type": "bert", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "intermediate_size": 128, "vocab_size": 128}  # fmt: skip
+    for seq in ("8192", "256"):
+        err = error_of(capsys, "--model", str(config_dir(tmp_path, json.dumps(bert), f"bert{seq}")), "--seq-len", seq)
+        assert "a bert encoder (is_decoder is false)" in err and '"is_decoder": true' in err
+
+
+def test_a_model_type_without_a_causal_lm_is_refused(tmp_path, capsys):
+    t5 = {"model_type": "t5", "d_model": 64, "num_layers": 2, "num_heads": 4, "d_ff": 128, "vocab_size": 128}
+    err = error_of(capsys, "--model", str(config_dir(tmp_path, json.dumps(t5))))
+    assert "model_type 't5' has no causal-LM class in transformers (AutoModelForCausalLM)" in err
+    assert "such as llama, qwen2, mistral, gemma" in err
+
+
+def test_a_config_json_file_is_read_as_its_directory(tmp_path, capsys):
+    file = config_dir(tmp_path, json.dumps(LLAMA)) / "config.json"
+    assert main(["estimate", "--model", str(file), "--seq-len", "64", "--modes", "none", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["setup"]["model"] == str(file)
+
+
+def test_offline_a_hub_id_not_in_the_cache_fails_at_once_saying_so(capsys, monkeypatch):
+    """Offline, huggingface_hub retried for about 25 s before its error; now the cache alone is
+    asked, and the error says what to do."""
+    monkeypatch.setattr(presets, "_hub_reachable", lambda: False)
+    err = error_of(capsys, "--model", "no-such-org/no-such-model-for-hf-offload")
+    assert "the hub cannot be reached from here (offline)" in err and "give that directory" in err
+
+
+@pytest.mark.parametrize(
+    "args,fragment",
+    [
+        (["--trust-remote-code"], "argument --trust-remote-code: only with --model"),
+        (["--lora-targets", "q_proj"], "argument --lora-targets: 'q_proj' needs --lora-rank N"),
+        (["--lora-rank", "4", "--lora-targets", "q_proj,,v_proj"], "'q_proj,,v_proj' has an empty name"),
+        (["--tile-tokens", "512"], "argument --tile-tokens: 512 tokens per slice needs --tile or a +tiled mode"),
+        (["--granularity", "512"], "searched only with --device or --device-memory"),
+        (["--sp", "2", "--padded"], "a padded batch under sequence parallelism is not simulated"),
+        (["--modes", "transformers_offload"], "transformers_offload cannot be simulated"),
+        (["--disk-memory", "10"], "needs --host-memory GIB"),
+    ],
+)
+def test_combinations_that_would_be_ignored_or_fail_later_are_named_first(capsys, nothing_loaded, args, fragment):
+    assert fragment in error_of(capsys, *args)
+
+
+def test_a_model_that_fails_in_its_own_code_is_a_clear_error(tmp_path, capsys, monkeypatch):
+    def fails(*args, **kwargs):
+        raise RuntimeError("The expanded size of the tensor (8192) must match the existing size (512)\nmore")
+
+    monkeypatch.setattr(estimate_module, "run_estimate", fails)
+    err = error_of(capsys, "--model", str(config_dir(tmp_path, json.dumps(LLAMA))), "--modes", "none")
+    assert "at 8192 tokens: the model failed: RuntimeError: The expanded size of the tensor (8192)" in err
+
+
+def test_a_mode_that_moved_nothing_says_why(tmp_path, capsys):
+    """A small model at a short length: every saved tensor is under min_offload_bytes, and the
+    estimate says so instead of a bare 0 moved."""
+    args = ["--model", str(config_dir(tmp_path, json.dumps(LLAMA))), "--seq-len", "64", "--modes", "hf_offload"]
+    assert main(["estimate", *args]) == 0
+    out = capsys.readouterr().out
+    assert "hf_offload moved nothing: the saved tensors it saw stayed on the device:" in out
+    assert "under min_offload_bytes (0.5 MiB)" in out
+
+
+@pytest.mark.parametrize("command", ["bench", "demo"])
+def test_bench_and_demo_name_a_config_json_without_a_model_type(tmp_path, capsys, command):
+    """bench raised transformers' ValueError with a traceback."""
+    err = error_of(capsys, "--model", str(config_dir(tmp_path, '{"hidden_size": 64}')), command=command)
+    assert "config.json has no field 'model_type'" in err
+
+
+def test_bench_refuses_an_encoder_instead_of_training_it_as_a_causal_lm(tmp_path, capsys, monkeypatch):
+    """bench built BERT's BertLMHeadModel (bidirectional without is_decoder) and measured it."""
+    bert = {"model_type": "bert", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "intermediate_size": 128, "vocab_size": 128}  # fmt: skip
+    monkeypatch.setattr("hf_offload.tools.bench.run_bench", lambda args: pytest.fail("the bench ran"))
+    err = error_of(capsys, "--model", str(config_dir(tmp_path, json.dumps(bert))), command="bench")
+    assert "a bert encoder (is_decoder is false)" in err
