@@ -36,6 +36,7 @@ from transformers import AutoModelForCausalLM, BitsAndBytesConfig, Trainer, Trai
 
 import hf_offload
 from hf_offload.tiling import per_token
+from hf_offload.tools.allocations import one_thread
 
 # prepare_model_for_kbit_training's default checkpointing leaves use_reentrant unset, which torch warns about.
 pytestmark = pytest.mark.filterwarnings("ignore:.*use_reentrant parameter should be passed explicitly:UserWarning")
@@ -56,6 +57,15 @@ PREPARE = {
     "non_reentrant": {"gradient_checkpointing_kwargs": {"use_reentrant": False}},
     "none": {"use_gradient_checkpointing": False},
 }
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # The tiny models' ops, bitsandbytes' among them, run many times faster on one intra-op thread
+    # than on two when the machine is busy (this file, 2026-12-02, load average 4-5 on 2 cores:
+    # 236 s on two threads, 10 s on one).
+    with one_thread():
+        yield
 
 
 @pytest.fixture(scope="module")
