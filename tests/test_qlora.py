@@ -394,3 +394,29 @@ def test_the_bf16_recipe_keeps_all_but_the_adapters_in_bf16_and_offloads_exactly
 
     stats = assert_parity_and_routing(plain, offloaded, monkeypatch)
     assert (stats.offloaded_tensors, stats.offloaded_bytes) == (LAYERS - 1, (LAYERS - 1) * BATCH * SEQ * HIDDEN * 2)
+
+
+def test_the_recipes_benchmark_counts_what_each_recipe_keeps(monkeypatch, capsys):
+    """`python -m hf_offload.tools.benchmarks.qlora_recipes` (docs/peft.md's measured table) on a
+    tiny Llama: the norms, embeddings and lm_head counted at 4 bytes a parameter under prepare and
+    2 in the bf16 recipe, the same 4-bit weights and adapters in both, a peak for each step."""
+    from hf_offload.tools.benchmarks import qlora_recipes
+
+    vocab = 4096  # the embeddings and lm_head large enough to show in MiB to two decimals
+    shapes = dict(qlora_recipes.SHAPES, **SHAPES, num_hidden_layers=2, num_attention_heads=4, vocab_size=vocab)
+    monkeypatch.setattr(qlora_recipes, "SHAPES", shapes)
+    qlora_recipes.main(["--seq-len", "64", "--tile-tokens", "16"])
+    rows = [
+        [cell.strip() for cell in line.strip("|").split("|")]
+        for line in capsys.readouterr().out.splitlines()
+        if line.startswith("| ")
+    ]
+    header, *rows = rows
+    table = {row[0]: {name: float(cell) for name, cell in zip(header[1:], row[1:], strict=True)} for row in rows}
+    assert set(table) == {"prepare", "bf16"}
+    rest = 2 * vocab * HIDDEN + (2 * 2 + 1) * HIDDEN  # embeddings, lm_head, two norms a layer and the final one
+    assert table["prepare"]["norms, embeddings, lm_head, MiB"] == round(4 * rest / 2**20, 2)
+    assert table["bf16"]["norms, embeddings, lm_head, MiB"] == round(2 * rest / 2**20, 2)
+    for column in ("4-bit weights and statistics, MiB", "adapters, MiB"):
+        assert table["prepare"][column] == table["bf16"][column] > 0
+    assert all(row["step's peak, MiB"] > 0 and row["step's peak tiled, MiB"] > 0 for row in table.values())

@@ -125,11 +125,11 @@ def mib(nbytes: int) -> str:
     return f"{nbytes / 2**20:.2f}"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--tile-tokens", type=int, default=256)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     import bitsandbytes
     import peft
     import transformers
