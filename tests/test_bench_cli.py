@@ -156,9 +156,11 @@ def trl_reaches_its_logging_on_a_cpu(monkeypatch):
     first unpack of the first backward when more than 60% of the host's RAM is in use
     (`verify_sufficient_virtual_memory`). The second is what failed on the H200, after earlier modes
     had left tens of GB pinned. On a CPU-only machine TRL fails before that for reasons of its own:
-    `torch.accelerator.current_accelerator()` is None there, and `torch.cpu.Stream` has no
-    `synchronize`. Those two are patched to what an accelerator provides (the CPU is the device,
-    with nothing to wait for), RAM use is reported as 99% so that the logging path runs on any
+    `torch.accelerator.current_accelerator()` is None there, `torch.cpu.Stream` has no
+    `synchronize`, and `torch.cpu` has no `empty_cache` (which TRL calls at every step once
+    bitsandbytes is imported, as PEFT does when it is installed). Those three are patched to what
+    an accelerator provides (the CPU is the device, with nothing to wait for and no cache to
+    empty), RAM use is reported as 99% so that the logging path runs on any
     machine, and accelerate's process-wide state is emptied for the test (and restored after), so
     that what an earlier test created cannot make this one pass."""
     import collections
@@ -168,6 +170,7 @@ def trl_reaches_its_logging_on_a_cpu(monkeypatch):
 
     monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *args, **kwargs: torch.device("cpu"))
     monkeypatch.setattr(torch.cpu.Stream, "synchronize", lambda self: None, raising=False)
+    monkeypatch.setattr(torch.cpu, "empty_cache", lambda: None, raising=False)
     monkeypatch.setattr(psutil, "virtual_memory", lambda: collections.namedtuple("Memory", "percent")(99.0))
     monkeypatch.setattr(PartialState, "_shared_state", {})
     return PartialState

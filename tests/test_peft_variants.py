@@ -1,11 +1,11 @@
 """PEFT beyond plain LoRA (which tests/test_parity.py covers): DoRA, the
-`prepare_model_for_kbit_training` path as far as it runs without bitsandbytes, `merge_and_unload()`
-after training, and `save_pretrained` output. Each compares against the same run without
-offloading, bit for bit, and checks that no parameter storage was ever copied to the host."""
+`prepare_model_for_kbit_training` path on a model that is not quantized (real 4-bit and 8-bit
+bases: tests/test_qlora.py), `merge_and_unload()` after training, and `save_pretrained` output.
+Each compares against the same run without offloading, bit for bit, and checks that no parameter
+storage was ever copied to the host."""
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 from pathlib import Path
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import BATCH, SEQ, assert_bit_identical, batch, enable_sim, tiny_model, train_step, twin
 from peft import LoraConfig, PeftModel, get_peft_model, prepare_model_for_kbit_training
-from routing import assert_parity_and_routing, parameter_ptrs, spy_host_copies
+from routing import assert_parity_and_routing
 
 import hf_offload
 
@@ -102,7 +102,7 @@ def test_prepare_model_for_kbit_training_parity_and_routing(variant, monkeypatch
     `param.data = ...`, which swaps the storage of parameters the engine has already seen.
     kbit_branch: the model claims `is_loaded_in_4bit` while prepare runs, so its k-bit branch runs
     for real: `enable_input_require_grads()` and gradient checkpointing with its default kwargs.
-    (Real 4-bit layers need bitsandbytes: see test_prepare_model_for_kbit_training_on_a_4bit_model.)
+    (On real 4-bit and 8-bit models: tests/test_qlora.py.)
     """
     base = tiny_model()
     if variant == "bf16_upcast":
@@ -128,42 +128,6 @@ def test_prepare_model_for_kbit_training_parity_and_routing(variant, monkeypatch
         assert stats.kept_tensors["leaf"] == 0 and stats.kept_tensors["parameter"] == 0
     else:
         assert stats.kept_tensors["parameter"] > 0
-
-
-@pytest.mark.gpu
-def test_prepare_model_for_kbit_training_on_a_4bit_model(tmp_path, monkeypatch):
-    """The real QLoRA path: needs bitsandbytes and a CUDA device (Params4bit/Linear4bit cannot be
-    created otherwise), so it is skipped on a CPU-only machine."""
-    if importlib.util.find_spec("bitsandbytes") is None:
-        pytest.skip("bitsandbytes is not installed: 4-bit layers (bnb Linear4bit) cannot be created")
-    if not torch.cuda.is_available():
-        pytest.skip("bitsandbytes 4-bit quantization needs a CUDA device")
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
-    tiny_model().save_pretrained(tmp_path)
-    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_compute_dtype=torch.float32)
-
-    def load():
-        model = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=quantization, device_map="cuda")
-        return adapt(prepare_model_for_kbit_training(model))
-
-    plain, offloaded = load(), load()
-    offloaded.enable_activation_offloading(min_offload_bytes=0)
-    ids = batch().cuda()
-    for _ in range(2):
-        plain.zero_grad(set_to_none=True)
-        offloaded.zero_grad(set_to_none=True)
-        expected = plain(input_ids=ids, labels=ids).loss
-        expected.backward()
-        with spy_host_copies(monkeypatch) as copied:
-            actual = offloaded(input_ids=ids, labels=ids).loss
-            actual.backward()
-        assert torch.equal(expected, actual)
-        assert_bit_identical(
-            {n: p.grad for n, p in plain.named_parameters() if p.grad is not None},
-            {n: p.grad for n, p in offloaded.named_parameters() if p.grad is not None},
-        )
-        assert copied and not {s.data_ptr() for s in copied} & parameter_ptrs(offloaded)
 
 
 # --- merge_and_unload ---------------------------------------------------------------------------

@@ -15,13 +15,13 @@ import warnings
 import pytest
 import torch
 from conftest import tiny_model
-from torch.profiler import ProfilerActivity, profile
 from transformers import AutoConfig
 
 import hf_offload
 from hf_offload import auto_budget
 from hf_offload.engine import offloader
 from hf_offload.tools import measured
+from hf_offload.tools.allocations import peak_allocated
 from hf_offload.tools.benchmarks import time_model
 from hf_offload.tools.devices import DEVICES, TIME_MODEL, Device, TimeModel, fit_time_model
 from hf_offload.tools.presets import preset_config
@@ -684,36 +684,3 @@ def test_bisection_reports_nothing_fits_and_memory_that_never_grows():
     run, _ = run_with(lambda n: 500)
     flat = longest_sequence(run, mode="m", memory_bytes=1000, workspace_bytes=0, granularity=1 << 20)
     assert flat.reached_limit and flat.max_seq_len == LONGEST
-
-
-# -- allocations counted on the CPU ---------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def one_thread():
-    # Tiny ops on a loaded 2-core machine run many times faster without intra-op threads.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
-def peak_allocated(fn, ignore_bytes: int | None = None) -> tuple[int, list[str]]:
-    """The most bytes the CPU allocator held at once while `fn` ran, beyond what was allocated
-    before, and the ops running at that moment, innermost first. Every allocation and free is
-    reported by torch's profiler with its size, so this is exact (allocations of exactly
-    `ignore_bytes` left out)."""
-    with one_thread(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = list(prof.profiler.kineto_results.events())
-    live = peak = 0
-    at = None
-    memory = [(e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]" and abs(e.nbytes()) != ignore_bytes]
-    for start, nbytes in sorted(memory):
-        live += nbytes
-        if live > peak:
-            peak, at = live, start
-    running = [e for e in events if e.name() != "[memory]" and e.start_ns() <= at <= e.end_ns()]
-    return peak, [e.name() for e in sorted(running, key=lambda e: e.end_ns() - e.start_ns())]

@@ -11,8 +11,8 @@ import pytest
 import torch
 from conftest import tiny_model
 from test_estimate import estimate_json, restore_logging  # noqa: F401 (restore_logging: an autouse fixture)
-from test_simulator import peak_allocated
 
+from hf_offload.tools.allocations import peak_allocated
 from hf_offload.tools.cli import main
 from hf_offload.tools.simulator import Simulator, Training
 from hf_offload.tools.simulator import step as step_module

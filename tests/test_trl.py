@@ -206,8 +206,10 @@ def test_dpo_trainer_logs_identical_losses(tmp_path, tuning):
 def cpu_capable_trl_offloading(monkeypatch) -> list:
     """Let SFTTrainer build TRL's own offloading on a CPU-only machine, where it raises: it reads
     torch.accelerator.current_accelerator().type (None here), pins host memory and synchronizes
-    streams, none of which exists without an accelerator. With the CPU taken as the accelerator,
-    no pinning and no streams, TRL's real hooks run on CPU tensors (like our simulate_on_cpu)."""
+    streams, none of which exists without an accelerator, and at every step, once bitsandbytes is
+    imported (PEFT imports it when it is installed), empties the device's cache (`torch.cpu` has no
+    `empty_cache`). With the CPU taken as the accelerator, no pinning, no streams and no cache to
+    empty, TRL's real hooks run on CPU tensors (like our simulate_on_cpu)."""
     import trl.trainer.sft_trainer as sft_trainer
     from trl.models import activation_offloading
 
@@ -222,6 +224,7 @@ def cpu_capable_trl_offloading(monkeypatch) -> list:
         return context
 
     monkeypatch.setattr(sft_trainer, "get_act_offloading_ctx_manager", on_cpu)
+    monkeypatch.setattr(torch.cpu, "empty_cache", lambda: None, raising=False)
     return created
 
 

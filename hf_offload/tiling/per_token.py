@@ -203,8 +203,11 @@ class _TiledMLP(torch.autograd.Function):
 
 @torch.compiler.disable(reason=UNDER_COMPILE)
 def tiled_forward(self: nn.Module, *args, **kwargs):
-    """The module's forward, one slice of the sequence at a time when grad is on and the sequence
-    is longer than a tile (bound to the module instance).
+    """The module's forward, one slice of the sequence at a time when it is training with grad on
+    and the sequence is longer than a tile (bound to the module instance). In eval mode it runs
+    whole, as transformers' checkpointing does: the slices run under no_grad, and a module in eval
+    mode reads a call without grad as inference (bitsandbytes' 4-bit layers on a CPU with
+    AVX512-BF16 then repack their weight for inference, and gradients through it are lost).
 
     Once the module has been called with inputs of this kind, the Function saves its input before
     any slice runs and the slices fill its outputs afterwards: inside a non-reentrant checkpoint's
@@ -220,7 +223,7 @@ def tiled_forward(self: nn.Module, *args, **kwargs):
         or not isinstance(hidden, torch.Tensor)
         or hidden.dim() != 3
         or hidden.shape[1] <= slot.tile_tokens
-        or not torch.is_grad_enabled()
+        or not (self.training and torch.is_grad_enabled())
     ):
         return own_forward(*args, **kwargs)
     rest = args[1:]
