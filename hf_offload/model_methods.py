@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+import threading
 import types
 from importlib.abc import Loader, MetaPathFinder
 
@@ -93,20 +94,29 @@ class ModelMethodsFinder(MetaPathFinder):
     """Finds nothing itself: asks the other finders for `transformers.modeling_utils` and wraps the
     loader of what they find."""
 
+    def __init__(self) -> None:
+        # Another finder that asks the rest of sys.meta_path in turn (wrapt's post-import hooks
+        # do) would ask this one again, and so on without end: the second ask finds nothing.
+        self._asking = threading.local()
+
     def find_spec(self, fullname, path, target=None):
-        if fullname != MODULE:
+        if fullname != MODULE or getattr(self._asking, "now", False):
             return None
-        for finder in sys.meta_path:
-            find_spec = getattr(finder, "find_spec", None)
-            if finder is self or find_spec is None:
-                continue
-            spec = find_spec(fullname, path, target)
-            if spec is None:
-                continue
-            if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                spec.loader = _AddMethodsAfterExecution(spec.loader)
-            return spec
-        return None
+        self._asking.now = True
+        try:
+            for finder in sys.meta_path:
+                find_spec = getattr(finder, "find_spec", None)
+                if finder is self or find_spec is None:
+                    continue
+                spec = find_spec(fullname, path, target)
+                if spec is None:
+                    continue
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _AddMethodsAfterExecution(spec.loader)
+                return spec
+            return None
+        finally:
+            self._asking.now = False
 
 
 def install() -> None:

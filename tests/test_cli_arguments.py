@@ -251,3 +251,10 @@ def test_the_check_catches_an_error_raised_after_the_imports():
     assert fragment in result["error"] and "transformers" in result["imported"]
     with pytest.raises(AssertionError, match="imported"):
         assert_failed_before_imports(result, fragment, allowed)
+
+
+def test_the_module_runs_as_the_command():
+    """`python -m hf_offload.tools.cli`, as the docs and the GPU checks run it."""
+    command = [sys.executable, "-m", "hf_offload.tools.cli", "estimate", "--seq-len", "-5"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "argument --seq-len: seq-len must be >= 2, got -5" in done.stderr
