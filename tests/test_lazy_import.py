@@ -60,6 +60,8 @@ def test_methods_are_added_when_transformers_was_imported_first(monkeypatch):
     monkeypatch.setattr(sys, "meta_path", finders)
     assert not hasattr(tiny_model(), "enable_activation_offloading")
     importlib.reload(hf_offload)
+    importlib.reload(hf_offload)  # as often as it runs, one finder
+    assert sum(isinstance(finder, model_methods.ModelMethodsFinder) for finder in sys.meta_path) == 1
     model = tiny_model()
     model.enable_activation_offloading(simulate_on_cpu=True)
     model.enable_sequence_tiling(tile_tokens=4)
