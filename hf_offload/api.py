@@ -609,26 +609,3 @@ def activation_offloading_stats(model: nn.Module) -> OffloadStats:
             "call model.enable_activation_offloading() first"
         )
     return controller.engine.stats()
-
-
-def _install_model_methods() -> None:
-    """Add the public methods to transformers.PreTrainedModel (PeftModel reaches them through
-    its attribute forwarding)."""
-    from transformers import PreTrainedModel
-
-    def enable(self, *positional, **options):
-        enable_activation_offloading(self, *positional, **options)
-
-    def disable(self):
-        disable_activation_offloading(self)
-
-    def stats(self):
-        return activation_offloading_stats(self)
-
-    enable.__doc__ = enable_activation_offloading.__doc__
-    disable.__doc__ = disable_activation_offloading.__doc__
-    stats.__doc__ = activation_offloading_stats.__doc__
-    PreTrainedModel.enable_activation_offloading = enable
-    PreTrainedModel.disable_activation_offloading = disable
-    PreTrainedModel.activation_offloading_stats = stats
-    PreTrainedModel.is_activation_offloading = property(is_activation_offloading)

@@ -5,6 +5,10 @@ be valid. Mostly `estimate`; `bench` and `demo` share its checks of a model dire
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -148,3 +152,109 @@ def test_bench_refuses_an_encoder_instead_of_training_it_as_a_causal_lm(tmp_path
     monkeypatch.setattr("hf_offload.tools.bench.run_bench", lambda args: pytest.fail("the bench ran"))
     err = error_of(capsys, "--model", str(config_dir(tmp_path, json.dumps(bert))), command="bench")
     assert "a bert encoder (is_decoder is false)" in err
+
+
+# A bad argument fails before the command imports transformers (5-20 s with torch), and where its
+# check needs no device, before torch. Measured in a fresh interpreter (this one has imported
+# everything): the probe calls the console script's entry in-process, catches its exit, and reads
+# sys.modules at that moment. The cases run in one interpreter, in order, so those allowed torch
+# come last.
+PROBE = """
+import contextlib, importlib, io, json, sys
+for name in sys.argv[3:]:
+    importlib.import_module(name)
+module, function = sys.argv[1].split(":")
+main = getattr(importlib.import_module(module), function)
+results = []
+for argv in json.loads(sys.argv[2]):
+    error = io.StringIO()
+    with contextlib.redirect_stderr(error):
+        try:
+            code = main(argv)
+        except SystemExit as exit:
+            code = exit.code
+    imported = [name for name in ("torch", "transformers") if name in sys.modules]
+    results.append({"code": code, "error": error.getvalue(), "imported": imported})
+print(json.dumps(results))
+"""
+
+FAIL_BEFORE_TORCH = [
+    (["estimate", "--seq-len", "-5"], "argument --seq-len: seq-len must be >= 2, got -5"),
+    (["estimate", "--modes", "bogus"], "argument --modes: invalid choice: 'bogus'"),
+    (["estimate", "--device", "nosuch"], "argument --device: invalid choice: 'nosuch'"),
+    (["estimate", "--model", "/no/such/model"], "argument --model: '/no/such/model': no such directory"),
+    (["estimate", "--tile-tokens", "512"], "512 tokens per slice needs --tile or a +tiled mode"),
+    (["estimate", "--bnb-4bit-quant-type", "nf4"], "describes a 4-bit base: give --load-in-4bit too"),
+    (["estimate", "--load-in-4bit"], "a 4-bit base is trained through adapters: give --lora-rank"),
+    (["estimate", "--modes", "hf_offload_auto"], "hf_offload_auto reads the device's free memory"),
+    (["demo", "--steps", "0"], "argument --steps: steps must be >= 1, got 0"),
+    (["demo", "--device", "CUDA:x"], "argument --device: 'CUDA:x' is not a torch device; use cpu, cuda or cuda:N"),
+    (["demo", "--model", "/no/such/model"], "argument --model: '/no/such/model' is not a local directory"),
+    (["bench", "--model", "/no/such/model"], "argument --model: '/no/such/model' is not a local directory"),
+    (["bench", "--seq-lens", "1"], "argument --seq-lens: seq-lens must be >= 2, got 1"),
+    (["bench", "--verify"], "argument --verify: only with --find-max-seq"),
+    (["bench", "--find-max-seq", "--seq-lens", "64"], "argument --seq-lens: not with --find-max-seq"),
+    (["bench", "--find-max-seq", "--batch-size", "2"], "--find-max-seq measures batch 1, got 2"),
+    (["bench", "--find-max-seq", "--verify"], "argument --verify: only with --method slope"),
+    (
+        ["bench", "--find-max-seq", "--method", "slope", "--slope-lens", "64", "32"],
+        "the second length must be longer than the first, got 64 32",
+    ),
+]
+# Whether a device is available here is torch's to say.
+FAIL_BEFORE_TRANSFORMERS = [
+    (["demo", "--device", "nosuch"], "argument --device: 'nosuch' is not a torch device; use cpu, cuda or cuda:N"),
+    (["bench", "--device", "nosuch"], "argument --device: 'nosuch' is not a torch device"),
+    (["bench", "--find-max-seq", "--start", "4096", "--seq-limit", "2048"], "2048 is below --start 4096"),
+]
+CASES = [(argv, fragment, ()) for argv, fragment in FAIL_BEFORE_TORCH] + [
+    (argv, fragment, ("torch",)) for argv, fragment in FAIL_BEFORE_TRANSFORMERS
+]
+
+
+def console_script_entry() -> str:
+    """The `hf-offload` entry point pyproject.toml names (module:function)."""
+    pyproject = (Path(__file__).resolve().parent.parent / "pyproject.toml").read_text()
+    return re.search(r'^hf-offload = "([\w.:]+)"$', pyproject, re.MULTILINE).group(1)
+
+
+def probe(cases: list, *imported_first: str) -> list[dict]:
+    argvs = json.dumps([argv for argv, _, _ in cases])
+    command = [sys.executable, "-c", PROBE, console_script_entry(), argvs, *imported_first]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def assert_failed_before_imports(result: dict, fragment: str, allowed: tuple[str, ...]) -> None:
+    assert result["code"] == 2 and fragment in result["error"], result
+    assert set(result["imported"]) <= set(allowed), f"imported {result['imported']} before: {result['error']}"
+
+
+@pytest.fixture(scope="module")
+def probed() -> list[dict]:
+    return probe(CASES)
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[" ".join(argv) for argv, _, _ in CASES])
+def test_a_bad_argument_fails_before_the_heavy_imports(probed, index):
+    """Each bad argument waited 13-21 s of imports (torch, transformers) before its error."""
+    _, fragment, allowed = CASES[index]
+    assert_failed_before_imports(probed[index], fragment, allowed)
+
+
+def test_the_check_catches_an_error_raised_after_the_imports():
+    """Companion: the same argument, its error raised once transformers is imported (as the
+    command did, whose module imported transformers before it parsed), fails the check."""
+    argv, fragment, allowed = CASES[0]
+    (result,) = probe([CASES[0]], "transformers")
+    assert fragment in result["error"] and "transformers" in result["imported"]
+    with pytest.raises(AssertionError, match="imported"):
+        assert_failed_before_imports(result, fragment, allowed)
+
+
+def test_the_module_runs_as_the_command():
+    """`python -m hf_offload.tools.cli`, as the docs and the GPU checks run it."""
+    command = [sys.executable, "-m", "hf_offload.tools.cli", "estimate", "--seq-len", "-5"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "argument --seq-len: seq-len must be >= 2, got -5" in done.stderr

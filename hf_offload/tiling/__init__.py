@@ -160,21 +160,4 @@ def is_sequence_tiling(model: nn.Module) -> bool:
     )
 
 
-def _install_model_methods() -> None:
-    from transformers import PreTrainedModel
-
-    def enable(self, *positional, **options):
-        reject_positional("enable_sequence_tiling", positional, TilingOptions.option_names())
-        enable_sequence_tiling(self, **options)
-
-    def disable(self):
-        disable_sequence_tiling(self)
-
-    enable.__doc__ = enable_sequence_tiling.__doc__
-    disable.__doc__ = disable_sequence_tiling.__doc__
-    PreTrainedModel.enable_sequence_tiling = enable
-    PreTrainedModel.disable_sequence_tiling = disable
-    PreTrainedModel.is_sequence_tiling = property(is_sequence_tiling)
-
-
 __all__ = ["disable_sequence_tiling", "enable_sequence_tiling", "is_sequence_tiling"]

@@ -4,15 +4,16 @@ names the function that runs it with `set_defaults(run=...)`."""
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import torch
+from hf_offload import __version__
 
-from hf_offload import UnsupportedModelError, __version__
-from hf_offload.internal import resolve_layers
-
-from .demo import build_tiny_llama, load_local_model, run_demo
+# Parsing and the checks that need no model import nothing heavy (torch and transformers take
+# 5-20 s): a bad argument fails at once. What needs torch (is a device available) comes next, and
+# what needs transformers (a config's model_type) after it. tests/test_cli_arguments.py holds
+# each command to that order.
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -68,10 +69,7 @@ def _add_demo_command(commands: argparse._SubParsersAction) -> None:
         "--batch-size", type=_int_at_least(1, "batch-size"), default=2, help="sequences per step (default 2)"
     )
     demo.add_argument(
-        "--device",
-        type=_available_device,
-        default=_default_device(),
-        help=f"torch device to train on (default {_default_device()})",
+        "--device", type=_device_name, default=None, help=f"torch device to train on (default {DEFAULT_DEVICE})"
     )
     demo.add_argument(
         "--seed", type=_int_at_least(0, "seed"), default=0, help="seed for the weights and batches (default 0)"
@@ -85,6 +83,12 @@ def _add_demo_command(commands: argparse._SubParsersAction) -> None:
 
 
 def _run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    args.device = _resolve_device(args.device, parser)
+
+    from hf_offload import UnsupportedModelError
+    from hf_offload.internal import resolve_layers
+
+    from .demo import build_tiny_llama, load_local_model, run_demo
     from .determinism import DeterministicKernels
 
     # First, before anything touches CUDA: PyTorch reads CUBLAS_WORKSPACE_CONFIG at its first cuBLAS call.
@@ -314,10 +318,8 @@ def _add_four_bit_arguments(estimate: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
-def _four_bit(args: argparse.Namespace, parser: argparse.ArgumentParser):
-    """The 4-bit base the options ask for, or None; an option without --load-in-4bit is an error."""
-    from .simulator.four_bit import FourBit
-
+def _check_four_bit_arguments(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """An option of a 4-bit base without --load-in-4bit, or a 4-bit base without what it needs."""
     given = {
         "--bnb-4bit-quant-type": args.bnb_4bit_quant_type is not None,
         "--bnb-4bit-use-double-quant": args.bnb_4bit_use_double_quant,
@@ -328,11 +330,21 @@ def _four_bit(args: argparse.Namespace, parser: argparse.ArgumentParser):
         option = next((name for name, present in given.items() if present), None)
         if option is not None:
             parser.error(f"argument {option}: describes a 4-bit base: give --load-in-4bit too")
-        return None
+        return
     if args.lora_rank is None:
         parser.error("argument --load-in-4bit: a 4-bit base is trained through adapters: give --lora-rank")
     if args.offload_params:
         parser.error("argument --load-in-4bit: a 4-bit base with --offload-params is not simulated")
+
+
+def _four_bit(args: argparse.Namespace):
+    """The 4-bit base the options ask for (checked by _check_four_bit_arguments), or None."""
+    import torch
+
+    from .simulator.four_bit import FourBit
+
+    if not args.load_in_4bit:
+        return None
     compute = DTYPES[args.bnb_4bit_compute_dtype] if args.bnb_4bit_compute_dtype else "float32"
     return FourBit(
         bnb_4bit_quant_type=args.bnb_4bit_quant_type or "fp4",
@@ -343,13 +355,12 @@ def _four_bit(args: argparse.Namespace, parser: argparse.ArgumentParser):
 
 
 def _estimate_modes(args: argparse.Namespace) -> list[str]:
-    from .estimate import BASE_MODES, CHECKPOINTING_MODES, LONGEST_CONTEXT_MODE
-    from .modes import LIGER, TILED, parse_mode
+    from .modes import ESTIMATE_CHECKPOINTING_MODES, ESTIMATE_MODES, LIGER, LONGEST_CONTEXT_MODE, TILED, parse_mode
 
     if args.modes is not None:
         modes = list(args.modes)
     else:
-        modes = list(CHECKPOINTING_MODES if args.checkpointing else BASE_MODES)
+        modes = list(ESTIMATE_CHECKPOINTING_MODES if args.checkpointing else ESTIMATE_MODES)
         if (args.device is not None or args.device_memory is not None) and not args.tile:
             modes.append(LONGEST_CONTEXT_MODE)  # how long can I train: the answer includes the recipe's mode
     if args.liger:
@@ -378,6 +389,7 @@ def _check_estimate_arguments(args: argparse.Namespace, parser: argparse.Argumen
         parser.error(f"argument --disk-gbps: {args.disk_gbps:g} GB/s needs --disk-memory GIB (no disk tier without it)")
     if args.sp > 1 and args.padded:
         parser.error("argument --sp: a padded batch under sequence parallelism is not simulated (drop --padded)")
+    _check_four_bit_arguments(args, parser)
     if args.trust_remote_code and args.model is None:
         parser.error("argument --trust-remote-code: only with --model (the presets run transformers' own code)")
     if args.lora_targets != "all-linear":
@@ -406,18 +418,18 @@ def _check_estimate_arguments(args: argparse.Namespace, parser: argparse.Argumen
 
 
 def _run_estimate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    import logging
-    import sys
-    import warnings
-
-    import torch
-
     from .devices import format_devices
 
     if args.list_devices:
         print(format_devices())
         return 0
     modes = _check_estimate_arguments(args, parser)
+
+    import logging
+    import sys
+    import warnings
+
+    import torch
 
     from .devices import DEVICES
     from .estimate import Request, format_estimate, format_json, run_estimate
@@ -460,7 +472,7 @@ def _run_estimate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         padded=args.padded,
         sp_size=args.sp,
         offload_params=args.offload_params,
-        four_bit=_four_bit(args, parser),
+        four_bit=_four_bit(args),
     )
     request = Request(
         config=config,
@@ -550,9 +562,9 @@ def _add_bench_command(commands: argparse._SubParsersAction) -> None:
     bench.add_argument("--lora-rank", type=_int_at_least(1, "lora-rank"), default=None, help="LoRA on all linears")
     bench.add_argument(
         "--device",
-        type=_available_device,
-        default=_default_device(),
-        help=f"torch device to measure on: cpu, cuda or cuda:N (default {_default_device()})",
+        type=_device_name,
+        default=None,
+        help=f"torch device to measure on: cpu, cuda or cuda:N (default {DEFAULT_DEVICE})",
     )
     bench.add_argument(
         "--min-offload-bytes", type=_int_at_least(0, "min-offload-bytes"), default=None, help="hf_offload's option"
@@ -613,24 +625,8 @@ def _add_bench_command(commands: argparse._SubParsersAction) -> None:
 
 
 def _run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from .bench import run_bench
     from .modes import LIGER, TILED, parse_mode
-    from .presets import ConfigError, load_config
 
-    if args.model is not None:
-        try:  # a model the bench can build and train as a causal LM, before anything runs
-            load_config(args.model)
-        except ConfigError as error:
-            parser.error(f"argument --model: {error}")
-
-    cuda = args.device.type == "cuda"
-    if args.dtype is None:
-        args.dtype = "bf16" if cuda else "fp32"
-    if args.liger:
-        args.modes = [*args.modes, *(mode + LIGER for mode in args.modes if not parse_mode(mode).liger)]
-    if args.tile:
-        args.modes = [*args.modes, *(mode + TILED for mode in args.modes if not parse_mode(mode).tiled)]
-    args.modes = list(dict.fromkeys(args.modes))
     search_options = ("method", "start", "granularity", "seq_limit", "slope_lens")
     if not args.find_max_seq:
         given = [name for name in search_options if getattr(args, name) is not None] + (
@@ -638,39 +634,63 @@ def _run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         )
         if given:
             parser.error(f"argument --{given[0].replace('_', '-')}: only with --find-max-seq")
-        args.seq_lens = args.seq_lens or [256, 512, 1024, 2048]
-        args.steps = args.steps or 3
-        return run_bench(args)
-    if args.seq_lens is not None:
-        parser.error(
-            "argument --seq-lens: not with --find-max-seq, which chooses its lengths (see --start, --slope-lens)"
-        )
-    if args.batch_size != 1:
-        parser.error(f"argument --batch-size: --find-max-seq measures batch 1, got {args.batch_size}")
-    args.method = args.method or "search"
-    args.steps = args.steps or 1
-    args.granularity = args.granularity or 1024
-    args.start = args.start or (4096 if cuda else 256)
-    args.seq_limit = args.seq_limit or (1 << 20 if cuda else 16384)
-    args.slope_lens = args.slope_lens or ([4096, 8192] if cuda else [1024, 2048])
-    if args.method == "search":
-        if args.verify:
-            parser.error("argument --verify: only with --method slope (the search measures every length it reports)")
-        if args.seq_limit < args.start:
-            parser.error(f"argument --seq-limit: {args.seq_limit} is below --start {args.start}")
     else:
-        a, b = args.slope_lens
-        if not a < b:
+        if args.seq_lens is not None:
+            parser.error(
+                "argument --seq-lens: not with --find-max-seq, which chooses its lengths (see --start, --slope-lens)"
+            )
+        if args.batch_size != 1:
+            parser.error(f"argument --batch-size: --find-max-seq measures batch 1, got {args.batch_size}")
+        args.method = args.method or "search"
+        if args.method == "search" and args.verify:
+            parser.error("argument --verify: only with --method slope (the search measures every length it reports)")
+        if args.method == "slope" and args.slope_lens is not None and not args.slope_lens[0] < args.slope_lens[1]:
+            a, b = args.slope_lens
             parser.error(f"argument --slope-lens: the second length must be longer than the first, got {a} {b}")
-        if not cuda and args.memory_limit is None:
+
+    # The defaults and checks that depend on the device, then the model's config (transformers).
+    args.device = _resolve_device(args.device, parser)
+    cuda = args.device.type == "cuda"
+    if args.find_max_seq:
+        args.start = args.start or (4096 if cuda else 256)
+        args.seq_limit = args.seq_limit or (1 << 20 if cuda else 16384)
+        args.slope_lens = args.slope_lens or ([4096, 8192] if cuda else [1024, 2048])
+        if args.method == "search" and args.seq_limit < args.start:
+            parser.error(f"argument --seq-limit: {args.seq_limit} is below --start {args.start}")
+        if args.method == "slope" and not cuda and args.memory_limit is None:
             parser.error(
                 "argument --method: the slope method on the CPU needs --memory-limit (there is no device memory "
                 "to predict against)"
             )
     if cuda and args.memory_limit is not None:
+        import torch
+
         total = torch.cuda.get_device_properties(args.device).total_memory / 2**30
         if args.memory_limit > total:
             parser.error(f"argument --memory-limit: {args.memory_limit} GiB is more than this device's {total:.2f} GiB")
+    if args.model is not None:
+        from .presets import ConfigError, load_config
+
+        try:  # a model the bench can build and train as a causal LM, before anything runs
+            load_config(args.model)
+        except ConfigError as error:
+            parser.error(f"argument --model: {error}")
+
+    from .bench import run_bench
+
+    if args.dtype is None:
+        args.dtype = "bf16" if cuda else "fp32"
+    if args.liger:
+        args.modes = [*args.modes, *(mode + LIGER for mode in args.modes if not parse_mode(mode).liger)]
+    if args.tile:
+        args.modes = [*args.modes, *(mode + TILED for mode in args.modes if not parse_mode(mode).tiled)]
+    args.modes = list(dict.fromkeys(args.modes))
+    if args.find_max_seq:
+        args.steps = args.steps or 1
+        args.granularity = args.granularity or 1024
+    else:
+        args.seq_lens = args.seq_lens or [256, 512, 1024, 2048]
+        args.steps = args.steps or 3
     return run_bench(args)
 
 
@@ -727,24 +747,37 @@ def _local_model_dir(text: str) -> Path:
     return path
 
 
-def _default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
+DEFAULT_DEVICE = "cuda when available, else cpu"
 
 
-def _available_device(text: str) -> torch.device:
+def _device_name(text: str) -> str:
+    """`--device` as far as it can be checked without torch: a device type and an optional index."""
+    if not re.fullmatch(r"[a-z_]+(:[0-9]+)?", text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a torch device; use cpu, cuda or cuda:N")
+    return text
+
+
+def _resolve_device(text: str | None, parser: argparse.ArgumentParser):
+    """`--device` (None: DEFAULT_DEVICE) as a torch device available here: the checks that need
+    torch, after those that do not."""
+    import torch
+
+    if text is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         device = torch.device(text)
     except RuntimeError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a torch device; use cpu, cuda or cuda:N") from None
+        parser.error(f"argument --device: {text!r} is not a torch device; use cpu, cuda or cuda:N")
     if device.type == "cpu":
         return device
     accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
     if accelerator is None or accelerator.type != device.type:
         available = "cpu" if accelerator is None else f"cpu, {accelerator.type}"
-        raise argparse.ArgumentTypeError(f"device {text!r} is not available here; available: {available}")
+        parser.error(f"argument --device: device {text!r} is not available here; available: {available}")
     if device.index is not None and device.index >= torch.accelerator.device_count():
-        raise argparse.ArgumentTypeError(
-            f"device {text!r} does not exist; there are {torch.accelerator.device_count()} {device.type} device(s)"
+        parser.error(
+            f"argument --device: device {text!r} does not exist; there are {torch.accelerator.device_count()} "
+            f"{device.type} device(s)"
         )
     return device
 

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from hf_offload.tools import measured
+
+if TYPE_CHECKING:
+    import torch
 
 MIB = 2**20
 
@@ -48,6 +50,8 @@ class Device:
     def matmul_tflops(self, dtype: torch.dtype, tflops: float | None = None) -> float:
         """The sustained rate of a matmul in `dtype` (`tflops` overrides the half-precision one,
         and scales the float32 one with it)."""
+        import torch  # here: `hf-offload estimate` reads the presets before it needs torch
+
         scale = 1.0 if tflops is None else tflops / self.tflops
         if dtype in (torch.float32, torch.float64):
             return (self.fp32_tflops or self.tflops / 16) * scale
@@ -236,6 +240,8 @@ def fit_time_model(points: Iterable[tuple[tuple[float, float, float], float]]) -
     """The efficiencies that best predict measured step times: `points` are (parts, seconds),
     `parts` what `TimeModel.parts` gives for a step. Least squares of the relative errors, linear
     in the three inverse efficiencies."""
+    import torch
+
     rows = torch.tensor([[part / seconds for part in parts] for parts, seconds in points], dtype=torch.float64)
     used = [column for column in range(rows.shape[1]) if rows[:, column].any()]  # a part none has: efficiency 1
     solution = torch.linalg.lstsq(rows[:, used], torch.ones((rows.shape[0], 1), dtype=torch.float64))

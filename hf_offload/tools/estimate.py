@@ -43,10 +43,6 @@ from hf_offload.tools.simulator.tiers import (
 from hf_offload.tools.step_time import FLASH_ATTENTION_2, HOST_MEMORY_GBPS, StepTime, attention_slowdown, step_time
 
 GIB = 2**30
-BASE_MODES = ("none", "hf_offload", "checkpointing", "checkpointing+hf_offload")
-CHECKPOINTING_MODES = ("checkpointing", "checkpointing+hf_offload")
-# With a device memory and no modes given, this one too: the longest context's recipe (docs/longest_context.md).
-LONGEST_CONTEXT_MODE = "checkpointing+hf_offload+tiled"
 # Parts of the peak under this share are summed into one line.
 SMALL_PART = 0.01
 

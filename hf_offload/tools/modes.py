@@ -12,8 +12,6 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 
-from hf_offload.internal import fused_linear_cross_entropy_in_use
-
 MODES = (
     "none",
     "hf_offload",
@@ -42,6 +40,11 @@ LIGER = "+liger"
 TILED = "+tiled"
 SUFFIXES = (LIGER, TILED)
 ALL_MODES = MODES + tuple(mode + suffix for mode in MODES for suffix in (LIGER, TILED, LIGER + TILED))
+# `hf-offload estimate`'s modes when none are given (with --checkpointing: the second).
+ESTIMATE_MODES = ("none", "hf_offload", "checkpointing", "checkpointing+hf_offload")
+ESTIMATE_CHECKPOINTING_MODES = ("checkpointing", "checkpointing+hf_offload")
+# With a device memory and no modes given, this one too: the longest context's recipe (docs/longest_context.md).
+LONGEST_CONTEXT_MODE = "checkpointing+hf_offload+tiled"
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,8 @@ def set_checkpointing(model, enabled: bool, *, offload: bool = False) -> None:
 def is_liger_flce(model) -> bool:
     """Whether Liger's FLCE is on this instance's own `forward`, the one `set_liger_flce` sets
     (`apply_liger_kernel_to_llama(model=...)` sets `model.forward = MethodType(lce_forward, model)`)."""
+    from hf_offload.internal import fused_linear_cross_entropy_in_use
+
     return "forward" in model.__dict__ and fused_linear_cross_entropy_in_use(model)
 
 

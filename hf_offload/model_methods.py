@@ -1,0 +1,130 @@
+"""The methods `import hf_offload` adds to transformers' `PreTrainedModel`, added without
+importing transformers or torch: `import hf_offload` stays cheap (the `hf-offload` command
+checks its arguments before paying for either), and the one-line use works whichever of
+`import hf_offload` and transformers' models comes first.
+
+If `transformers.modeling_utils` is already imported, the methods go on its `PreTrainedModel`
+at once. Either way a finder at the front of `sys.meta_path` stays for the process: when
+`transformers.modeling_utils` executes (a first import through transformers' lazy module or
+directly, or `importlib.reload`), it adds them to the class that module has just defined.
+
+Each method is looked up in its home (`hf_offload.api`, `hf_offload.tiling`) on first use, not
+when it is added: the finder runs in the middle of transformers' own imports, where importing
+hf_offload's model code (which imports transformers' modules) could meet a half-imported one."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import threading
+import types
+from importlib.abc import Loader, MetaPathFinder
+
+MODULE = "transformers.modeling_utils"
+
+# The model's methods and properties, each the function of that name in its home module.
+METHODS = {
+    "enable_activation_offloading": "hf_offload.api",
+    "disable_activation_offloading": "hf_offload.api",
+    "activation_offloading_stats": "hf_offload.api",
+    "enable_sequence_tiling": "hf_offload.tiling",
+    "disable_sequence_tiling": "hf_offload.tiling",
+}
+PROPERTIES = {"is_activation_offloading": "hf_offload.api", "is_sequence_tiling": "hf_offload.tiling"}
+
+
+class _ModelMethod:
+    # `model.NAME(...)` is hf_offload's NAME(model, ...): the function bound to the model, with its
+    # own signature and docstring; `PreTrainedModel.NAME` is the function. A non-data descriptor, as
+    # a function is: an instance may shadow it.
+
+    def __init__(self, name: str, home: str) -> None:
+        self.name, self.home = name, home
+
+    def function(self):
+        return getattr(importlib.import_module(self.home), self.name)
+
+    def __get__(self, model, owner=None):
+        return self.function() if model is None else types.MethodType(self.function(), model)
+
+
+class _ModelProperty(_ModelMethod):
+    # `model.NAME` is hf_offload's NAME(model), read-only, as a property without a setter.
+
+    def __get__(self, model, owner=None):
+        return self if model is None else self.function()(model)
+
+    def __set__(self, model, value) -> None:
+        raise AttributeError(f"property {self.name!r} of {type(model).__name__!r} object has no setter")
+
+    @property
+    def __doc__(self) -> str | None:  # type: ignore[override]
+        return self.function().__doc__
+
+
+def _add_methods(model_class: type) -> None:
+    for name, home in METHODS.items():
+        setattr(model_class, name, _ModelMethod(name, home))
+    for name, home in PROPERTIES.items():
+        setattr(model_class, name, _ModelProperty(name, home))
+
+
+class _AddMethodsAfterExecution(Loader):
+    """The loader of `transformers.modeling_utils`, wrapped: executes the module, then adds the
+    methods to its `PreTrainedModel`. The module keeps the real loader as its `__loader__`."""
+
+    def __init__(self, loader: Loader) -> None:
+        self.loader = loader
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        module.__loader__ = self.loader
+        if module.__spec__ is not None:
+            module.__spec__.loader = self.loader
+        self.loader.exec_module(module)
+        _add_methods(module.PreTrainedModel)
+
+    def __getattr__(self, name: str):
+        return getattr(self.loader, name)
+
+
+class ModelMethodsFinder(MetaPathFinder):
+    """Finds nothing itself: asks the other finders for `transformers.modeling_utils` and wraps the
+    loader of what they find."""
+
+    def __init__(self) -> None:
+        # Another finder that asks the rest of sys.meta_path in turn (wrapt's post-import hooks
+        # do) would ask this one again, and so on without end: the second ask finds nothing.
+        self._asking = threading.local()
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != MODULE or getattr(self._asking, "now", False):
+            return None
+        self._asking.now = True
+        try:
+            for finder in sys.meta_path:
+                find_spec = getattr(finder, "find_spec", None)
+                if finder is self or find_spec is None:
+                    continue
+                spec = find_spec(fullname, path, target)
+                if spec is None:
+                    continue
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _AddMethodsAfterExecution(spec.loader)
+                return spec
+            return None
+        finally:
+            self._asking.now = False
+
+
+def install() -> None:
+    """Add the methods to `PreTrainedModel` now if transformers has defined it, and whenever
+    `transformers.modeling_utils` executes. Idempotent."""
+    module = sys.modules.get(MODULE)
+    if module is not None and hasattr(module, "PreTrainedModel"):
+        _add_methods(module.PreTrainedModel)
+    # By class name: after importlib.reload of this module the class is a new object.
+    if not any(type(finder).__name__ == ModelMethodsFinder.__name__ for finder in sys.meta_path):
+        sys.meta_path.insert(0, ModelMethodsFinder())
