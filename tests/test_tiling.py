@@ -591,9 +591,10 @@ def test_attention_runs_a_group_of_key_value_heads_at_a_time(monkeypatch):
     layers = tiled.config.num_hidden_layers
     assert calls == [(2, 1)] * 2 * layers  # two groups per call, in forward only: nothing is recomputed
     calls.clear()
-    with torch.no_grad():
-        tiled(input_ids=ids())
+    tiled.eval()  # eval mode runs whole, with or without grad (training mode splits under no_grad too)
+    tiled(input_ids=ids())
     assert calls == [(4, 2)] * layers
+    tiled.train()
     registry["sdpa"] = wrapper
     hf_offload.disable_sequence_tiling(tiled)
     assert ALL_ATTENTION_FUNCTIONS["sdpa"] is original

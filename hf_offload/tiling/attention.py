@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .replay import splits
+
 logger = logging.getLogger("hf_offload")
 
 HEADS_ATTR = "_hf_offload_tiled_heads"
@@ -66,7 +68,7 @@ def _after_block(tiling: HeadTiling, block: nn.Module, args, kwargs, output) -> 
     before = block.__dict__.pop("_hf_offload_calls_before", tiling.calls)
     hidden = args[0] if args else kwargs.get("hidden_states")
     long = isinstance(hidden, torch.Tensor) and hidden.dim() == 3 and hidden.shape[1] > tiling.min_tokens
-    if tiling.calls == before and long and torch.is_grad_enabled():
+    if tiling.calls == before and long and splits(block):
         _say_once(tiling, block, _why_not_reached(block))
 
 
@@ -150,7 +152,7 @@ def _head_tiled(function, name: str):
         if tiling is None:
             return function(module, query, key, value, attention_mask, *args, **kwargs)
         tiling.calls += 1
-        if not torch.is_grad_enabled() or args or query.dim() != 4 or query.shape[2] <= tiling.min_tokens:
+        if not splits(module) or args or query.dim() != 4 or query.shape[2] <= tiling.min_tokens:
             return function(module, query, key, value, attention_mask, *args, **kwargs)
         groups, reason = _groups(query, key, value, attention_mask, kwargs)
         if reason is not None:

@@ -560,6 +560,10 @@ def tiled_loss_forward(self: nn.Module, *args, **kwargs):
     slot: LossSlot = self.__dict__[LOSS_STATE_ATTR]
     forward = slot.forward_of(self)
     labels = kwargs.get("labels")
+    # Not `replay.splits` (training alone), the layers' rule: the loss head runs outside the layers'
+    # checkpoints, so no pass of it runs under no_grad and is then recomputed with grad; and a
+    # training-mode forward under no_grad (a reference model's log-probabilities, an evaluation
+    # without model.eval()) wants outputs.logits, which the tiled loss does not return.
     if not slot.active or labels is None or not (self.training and torch.is_grad_enabled()):
         return forward(*args, **kwargs)
     if torch.is_tensor(labels) and labels.shape[min(1, labels.dim() - 1)] <= slot.tile_for(self):

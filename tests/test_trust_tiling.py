@@ -1,0 +1,169 @@
+"""Tiling's silent-wrong-result defects of issue 31, each held by a test that failed before its fix.
+
+Where random numbers are drawn (attention dropout, LoRA dropout, router jitter), tiling draws them
+per slice or per group of heads, so its masks differ from an untiled run's whenever the batch has
+more than one row (the whole call draws batch-major over every head, a group only its heads): the
+reference for such a run is tiling without checkpointing, whose forward and backward are one pass,
+or a finite difference of the reported loss, computed here in float64 from the logits.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from conftest import VOCAB, enable_sim, tiny_model, twin
+from peft import LoraConfig, get_peft_model
+from test_tiling import FLOAT64, assert_close, step
+
+SEQ, TILE, BATCH = 64, 16, 2
+TWO_LAYERS = dict(num_hidden_layers=2)
+
+
+@pytest.fixture(autouse=True)
+def one_thread_and_quiet():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    yield
+    torch.set_num_threads(threads)
+
+
+def ids(seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+def seeded_step(model, seed: int = 7):
+    torch.manual_seed(seed)
+    return step(model, ids())
+
+
+def float64_directional_derivatives(model, inputs: torch.Tensor, seed: int = 5, epsilon: float = 1e-4):
+    """(analytic, central finite difference) along the unit direction of the gradient, of a loss
+    computed in float64 from the logits (transformers' own loss is float32), the random state
+    reseeded before every forward so that every random draw repeats."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+
+    def loss() -> torch.Tensor:
+        torch.manual_seed(seed)
+        logits = model(input_ids=inputs).logits
+        return torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.shape[-1]).double(), inputs[:, 1:].reshape(-1)
+        )
+
+    model.zero_grad(set_to_none=True)
+    loss().backward()
+    gradients = [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in trainable]
+    analytic = sum(float(g.square().sum()) for g in gradients) ** 0.5
+
+    def loss_at(shift: float) -> float:
+        with torch.no_grad():
+            for p, g in zip(trainable, gradients, strict=True):
+                p.add_(g, alpha=shift / analytic)
+            value = loss().item()
+            for p, g in zip(trainable, gradients, strict=True):
+                p.sub_(g, alpha=shift / analytic)
+        return value
+
+    return analytic, (loss_at(epsilon) - loss_at(-epsilon)) / (2 * epsilon)
+
+
+# -- item 1: one rule for splitting, the same in both passes of a reentrant checkpoint -------------
+
+HEADS_ONLY = dict(tile_tokens=TILE, mlp=False, norms=False, projections=False, loss=False)
+MLP_ONLY = dict(tile_tokens=TILE, attention=False, norms=False, projections=False, loss=False)
+
+
+def attention_dropout_pair():
+    """Attention tiled over heads with dropout: (without checkpointing, under a reentrant one)."""
+    plain = tiny_model("llama", attention_dropout=0.3, attn_implementation="sdpa", **TWO_LAYERS).double()
+    plain.enable_sequence_tiling(**HEADS_ONLY)
+    reentrant = twin(plain)
+    reentrant.activation_checkpointing_enable({"use_reentrant": True})
+    return plain, reentrant
+
+
+def test_attention_dropout_over_heads_under_a_reentrant_checkpoint_gives_the_reported_losss_gradient():
+    """The reentrant forward (no_grad) and its recompute (grad) split heads alike, so they draw the
+    same masks: loss and gradients as tiling without checkpointing (before the fix the forward ran
+    whole, and the gradients were off by about 1e-2)."""
+    plain, reentrant = attention_dropout_pair()
+    assert_close(seeded_step(plain), seeded_step(reentrant), **FLOAT64)
+
+
+def test_lora_dropout_in_a_tiled_mlp_under_a_reentrant_checkpoint_gives_the_reported_losss_gradient():
+    """The same for LoRA dropout in a tiled MLP: a whole mask in the no_grad forward, one per slice
+    in the recompute, before the fix."""
+    base = tiny_model("llama", **TWO_LAYERS).double()
+    config = LoraConfig(r=4, lora_dropout=0.3, target_modules=["gate_proj", "up_proj", "down_proj"],
+                        init_lora_weights=False)  # fmt: skip
+    plain = get_peft_model(base, config)
+    plain.enable_sequence_tiling(**MLP_ONLY)
+    reentrant = twin(plain)
+    reentrant.get_base_model().activation_checkpointing_enable({"use_reentrant": True})
+    assert_close(seeded_step(plain), seeded_step(reentrant), **FLOAT64)
+
+
+def test_training_mode_splits_with_or_without_grad_and_eval_mode_never(monkeypatch):
+    """The rule is training mode alone: a training call under no_grad (a reentrant checkpoint's
+    first forward) splits, an eval-mode call never does (bitsandbytes' CPU repack)."""
+    from hf_offload.tiling import per_token
+
+    model = tiny_model("llama", attn_implementation="sdpa", **TWO_LAYERS).double()
+    model.enable_sequence_tiling(tile_tokens=TILE, norms=False, projections=False, loss=False)
+    slices, heads = [], []
+    run_slice, sdpa = per_token._slice, torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(per_token, "_slice", lambda *args: slices.append(1) or run_slice(*args))
+
+    def counted(query, *args, **kwargs):
+        heads.append(query.shape[1])
+        return sdpa(query, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counted)
+    for training in (True, False):
+        for grad in (True, False):
+            slices.clear(), heads.clear()
+            model.train(training)
+            with torch.set_grad_enabled(grad):
+                model(input_ids=ids())
+            split = model.config.num_attention_heads // 2  # 2 key/value heads: 2 groups
+            assert (len(slices), set(heads)) == ((2 * SEQ // TILE, {split}) if training else (0, {4})), (training, grad)
+
+
+# -- item 3: a user's inputs_embeds keep their gradient under offloading ---------------------------
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+def test_inputs_embeds_made_by_the_embeddings_keep_their_gradient_under_offloading(checkpointing):
+    """Frozen embeddings (as with LoRA), their output made to require grad by the user and passed
+    as inputs_embeds (saliency, embedding attacks): its gradient is bit-identical with and without
+    offloading. Before the fix the user's own call of the embeddings was taken for the model's,
+    detoured, and `.grad` stayed None."""
+    plain = tiny_model("llama", **TWO_LAYERS)
+    if checkpointing:
+        plain.activation_checkpointing_enable()
+    plain.get_input_embeddings().weight.requires_grad_(False)
+    offloaded = twin(plain)
+    enable_sim(offloaded)
+    gradients = []
+    for model in (plain, offloaded):
+        inputs = ids()
+        embeds = model.get_input_embeddings()(inputs)
+        embeds.requires_grad_()
+        model(inputs_embeds=embeds, labels=inputs).loss.backward()
+        gradients.append(embeds.grad)
+    assert gradients[1] is not None and torch.equal(gradients[0], gradients[1])
+
+
+def test_the_models_own_embeddings_output_is_still_detoured_after_a_users_call():
+    """The model's own pass still takes its embeddings' output detoured (offloaded, no leaf kept),
+    also right after the user called the embeddings themselves."""
+    model = tiny_model("llama", **TWO_LAYERS)
+    model.activation_checkpointing_enable()
+    model.get_input_embeddings().weight.requires_grad_(False)
+    model.enable_input_require_grads()  # what PEFT does: the embeddings' output requires grad
+    enable_sim(model)
+    model.get_input_embeddings()(ids())  # a user's call, outside the model's
+    model(input_ids=ids(), labels=ids()).loss.backward()
+    assert model.activation_offloading_stats().kept_tensors["leaf"] == 0
