@@ -572,7 +572,7 @@ def test_attention_runs_a_group_of_key_value_heads_at_a_time(monkeypatch):
     # This test's own registry state (models of other tests may still be alive, tiled).
     monkeypatch.setitem(registry, "sdpa", original)
     monkeypatch.setattr(attention, "_originals", {})
-    monkeypatch.setattr(attention, "_tiled_modules", weakref.WeakSet())
+    monkeypatch.setattr(attention, "_live", weakref.WeakSet())
     plain = build("llama", dtype=torch.float32)
     tiled = twin(plain)
     hf_offload.enable_sequence_tiling(tiled, tile_tokens=TILE, mlp=False, norms=False, projections=False, loss=False)

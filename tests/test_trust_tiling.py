@@ -9,6 +9,7 @@ or a finite difference of the reported loss, computed here in float64 from the l
 
 from __future__ import annotations
 
+import gc
 import logging
 
 import pytest
@@ -105,22 +106,28 @@ def test_lora_dropout_in_a_tiled_mlp_under_a_reentrant_checkpoint_gives_the_repo
     assert_close(seeded_step(plain), seeded_step(reentrant), **FLOAT64)
 
 
-def test_training_mode_splits_with_or_without_grad_and_eval_mode_never(monkeypatch):
+@pytest.fixture
+def heads(monkeypatch) -> list[int]:
+    """The number of query heads of each call of SDPA's kernel."""
+    seen, sdpa = [], torch.nn.functional.scaled_dot_product_attention
+
+    def counted(query, *args, **kwargs):
+        seen.append(query.shape[1])
+        return sdpa(query, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counted)
+    return seen
+
+
+def test_training_mode_splits_with_or_without_grad_and_eval_mode_never(monkeypatch, heads):
     """The rule is training mode alone: a training call under no_grad (a reentrant checkpoint's
     first forward) splits, an eval-mode call never does (bitsandbytes' CPU repack)."""
     from hf_offload.tiling import per_token
 
     model = tiny_model("llama", attn_implementation="sdpa", **TWO_LAYERS).double()
     model.enable_sequence_tiling(tile_tokens=TILE, norms=False, projections=False, loss=False)
-    slices, heads = [], []
-    run_slice, sdpa = per_token._slice, torch.nn.functional.scaled_dot_product_attention
+    slices, run_slice = [], per_token._slice
     monkeypatch.setattr(per_token, "_slice", lambda *args: slices.append(1) or run_slice(*args))
-
-    def counted(query, *args, **kwargs):
-        heads.append(query.shape[1])
-        return sdpa(query, *args, **kwargs)
-
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counted)
     for training in (True, False):
         for grad in (True, False):
             slices.clear(), heads.clear()
@@ -167,3 +174,54 @@ def test_the_models_own_embeddings_output_is_still_detoured_after_a_users_call()
     model.get_input_embeddings()(ids())  # a user's call, outside the model's
     model(input_ids=ids(), labels=ids()).loss.backward()
     assert model.activation_offloading_stats().kept_tensors["leaf"] == 0
+
+
+# -- item 8: deep copies, per-head biases, router jitter, hooks on lm_head -------------------------
+
+
+def registry_wrapped() -> bool:
+    from transformers.modeling_utils import AttentionInterface
+
+    return hasattr(AttentionInterface._global_mapping["sdpa"], "_hf_offload_heads_of")
+
+
+def heads_model():
+    gc.collect()  # earlier tests' tiled models, which would keep the registry wrapped
+    model = tiny_model("llama", attn_implementation="sdpa", **TWO_LAYERS)
+    model.enable_sequence_tiling(**HEADS_ONLY)
+    return model
+
+
+def heads_per_call(model, heads: list[int]) -> set[int]:
+    heads.clear()
+    model(input_ids=ids())
+    return set(heads)
+
+
+@pytest.mark.parametrize("disabled", ["original", "copy"])
+def test_a_deep_copy_tiles_heads_whatever_the_original_does(heads, disabled):
+    """TRL's reference model is a deep copy: disabling tiling on one of the two leaves the other
+    tiling heads (before the fix the copy's blocks were not counted, and the original's disabling
+    gave transformers' registry its own functions back under the copy)."""
+    import copy
+
+    original = heads_model()
+    duplicate = copy.deepcopy(original)
+    gone, kept = (original, duplicate) if disabled == "original" else (duplicate, original)
+    gone.disable_sequence_tiling()
+    assert heads_per_call(kept, heads) == {2} and heads_per_call(gone, heads) == {4}
+    kept.disable_sequence_tiling()
+    assert not registry_wrapped()
+
+
+def test_an_unpickled_model_tiles_heads_where_the_registry_was_given_back(heads):
+    """As in a new process: the model is loaded where no tiled model has wrapped the registry."""
+    import pickle
+
+    original = heads_model()
+    saved = pickle.dumps(original)
+    original.disable_sequence_tiling()
+    assert not registry_wrapped()
+    loaded = pickle.loads(saved)
+    assert heads_per_call(loaded, heads) == {2}
+    loaded.disable_sequence_tiling()

@@ -42,7 +42,7 @@ _HEADS_FIRST = frozenset({"s_aux", "sinks"})
 _HEADS_SECOND = frozenset({"attention_mask", "position_bias"})
 
 
-@dataclass
+@dataclass(eq=False)
 class HeadTiling:
     """What tiling keeps on an attention block and the modules in it: the sequence length above
     which it splits, how many calls it has split, what it has said."""
@@ -51,6 +51,14 @@ class HeadTiling:
     said: set = field(default_factory=set)
     calls: int = 0  # attention-function calls that came through the registry
     handles: list = field(default_factory=list)  # the block's hooks, which check that calls do
+
+    def __setstate__(self, state: dict) -> None:
+        # A deep copy (TRL's reference model) or an unpickled model tiles on its own: it keeps
+        # the registry wrapped when the original disables tiling, and wraps it in a new process.
+        self.__dict__.update(state)
+        if self.handles:
+            _live.add(self)
+            _wrap_registry()
 
 
 def _say_once(tiling: HeadTiling, module: nn.Module, reason: str) -> None:
@@ -89,7 +97,9 @@ def _why_not_reached(block: nn.Module) -> str:
 
 
 _originals: dict[str, object] = {}  # the registered functions our wrappers took the place of
-_tiled_modules: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+# Every block's tiling still installed, in any model of the process (copies included): the
+# registry stays wrapped while one is.
+_live: weakref.WeakSet[HeadTiling] = weakref.WeakSet()
 
 
 def _registry():
@@ -123,7 +133,7 @@ def install(attention: nn.Module, min_tokens: int, said: set) -> None:
     tiling = HeadTiling(min_tokens, said)
     for module in attention.modules():
         setattr(module, HEADS_ATTR, tiling)
-        _tiled_modules.add(module)
+    _live.add(tiling)
     tiling.handles = [
         attention.register_forward_pre_hook(functools.partial(_before_block, tiling), with_kwargs=True),
         attention.register_forward_hook(functools.partial(_after_block, tiling), with_kwargs=True),
@@ -134,11 +144,11 @@ def install(attention: nn.Module, min_tokens: int, said: set) -> None:
 def uninstall(attention: nn.Module) -> None:
     tiling = attention.__dict__.pop(HEADS_ATTR, None)
     if tiling is not None:
-        _tiled_modules.discard(attention)
+        _live.discard(tiling)
         for handle in tiling.handles:
             handle.remove()
         tiling.handles.clear()
-    if not _tiled_modules:
+    if not _live:
         _unwrap_registry()
 
 
