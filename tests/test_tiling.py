@@ -687,9 +687,10 @@ def test_only_a_mask_laid_out_by_heads_is_split_over_them():
     """A (batch, heads, queries, keys) mask is split with its heads; a padding mask (batch,
     tokens) is not, even where its length equals the head count (a split would give each group
     the wrong positions' mask)."""
-    from hf_offload.tiling.attention import _per_group
+    from hf_offload.tiling.attention import _SCORES_HEADS, _per_group
 
     by_heads = torch.arange(2 * 8 * 3 * 3).view(2, 8, 3, 3)
-    assert [tuple(part.shape) for part in _per_group(by_heads, 1, heads=8, groups=2)] == [(2, 4, 3, 3)] * 2
+    parts = _per_group(by_heads, _SCORES_HEADS, heads=8, groups=2)
+    assert [tuple(part.shape) for part in parts] == [(2, 4, 3, 3)] * 2
     padding = torch.ones(2, 8)
-    assert all(part is padding for part in _per_group(padding, 1, heads=8, groups=2))
+    assert all(part is padding for part in _per_group(padding, _SCORES_HEADS, heads=8, groups=2))

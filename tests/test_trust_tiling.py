@@ -225,3 +225,41 @@ def test_an_unpickled_model_tiles_heads_where_the_registry_was_given_back(heads)
     loaded = pickle.loads(saved)
     assert heads_per_call(loaded, heads) == {2}
     loaded.disable_sequence_tiling()
+
+
+@pytest.mark.parametrize("name", ["attention_mask", "position_bias"])
+@pytest.mark.parametrize("shape", [(4, SEQ, SEQ), (1, SEQ, SEQ), (SEQ, SEQ), (1, 4, SEQ, SEQ), (BATCH, 4, SEQ, SEQ),
+                                   (BATCH, 1, SEQ, SEQ)], ids=str)  # fmt: skip
+def test_a_mask_or_bias_is_split_by_heads_where_it_has_them(name, shape):
+    """SDPA broadcasts a mask or bias against the (batch, heads, q, k) scores, so a 3-D one's
+    first dimension is its heads, as a 4-D one's second: each group gets its heads' part. The
+    output and the gradients (the bias's included) equal the whole call's in float64 (before the
+    fix a (heads, q, k) bias went whole to each group: a broadcast error)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from hf_offload.tiling import attention
+
+    model = tiny_model("llama", attn_implementation="sdpa", **TWO_LAYERS).double()  # 4 heads, 2 key/value heads
+    model.enable_sequence_tiling(**HEADS_ONLY)
+    module = model.model.layers[0].self_attn
+    generator = torch.Generator().manual_seed(0)
+
+    def leaf(*size):
+        return torch.randn(*size, generator=generator, dtype=torch.float64).requires_grad_()
+
+    query, key, value, bias = leaf(BATCH, 4, SEQ, 8), leaf(BATCH, 2, SEQ, 8), leaf(BATCH, 2, SEQ, 8), leaf(*shape)
+    calls = []
+
+    def counted(module, query, *args, **kwargs):
+        calls.append(query.shape[1])
+        return sdpa_attention_forward(module, query, *args, **kwargs)
+
+    results = []
+    for function in (sdpa_attention_forward, attention._head_tiled(counted, "sdpa")):
+        mask, extra = (bias, {}) if name == "attention_mask" else (None, {"position_bias": bias})
+        output, _ = function(module, query, key, value, mask, dropout=0.0, scaling=0.3, is_causal=False, **extra)
+        gradients = torch.autograd.grad(output.square().sum(), (query, key, value, bias))
+        results.append((output, *gradients))
+    assert calls == [2, 2]  # split: two groups of two heads
+    for expected, actual in zip(*results, strict=True):
+        torch.testing.assert_close(actual, expected, **FLOAT64)

@@ -35,11 +35,14 @@ SPLITTABLE = ("sdpa", "flash_attention_2", "flash_attention_3", "flash_attention
 # The most groups a call is split into: more adds kernel launches and saves little more memory.
 MAX_GROUPS = 8
 # Tensor keyword arguments, by how they lay out heads: none (the same for every head), per head
-# on their first dimension (attention sinks), per head on their second (masks, position biases;
-# or 1 there, the same for every head).
+# on their first dimension (attention sinks), or as SDPA broadcasts a mask or bias against the
+# (batch, heads, queries, keys) scores: heads third from last where they have three dimensions or
+# more ((batch, heads, q, k), (heads, q, k); or 1 there, the same for every head), none where
+# fewer ((q, k); a FlashAttention padding mask (batch, tokens)).
 _NO_HEADS = frozenset({"position_ids", "cu_seq_lens_q", "cu_seq_lens_k"})
 _HEADS_FIRST = frozenset({"s_aux", "sinks"})
-_HEADS_SECOND = frozenset({"attention_mask", "position_bias"})
+_LIKE_SCORES = frozenset({"attention_mask", "position_bias"})
+_SCORES_HEADS = -3  # where a tensor laid out like the scores has its heads
 
 
 @dataclass(eq=False)
@@ -174,7 +177,7 @@ def _head_tiled(function, name: str):
             query.split(heads // groups, dim=1),
             key.split(kv_heads // groups, dim=1),
             value.split(kv_heads // groups, dim=1),
-            _per_group(attention_mask, 1, heads, groups),
+            _per_group(attention_mask, _SCORES_HEADS, heads, groups),
             _kwargs_per_group(kwargs, heads, groups),
             strict=True,
         ):
@@ -203,10 +206,10 @@ def _groups(query, key, value, attention_mask, kwargs) -> tuple[int, str | None]
             continue
         if name in _HEADS_FIRST and tensor.shape[:1] == (heads,):
             continue
-        if name in _HEADS_SECOND and (tensor.dim() < 4 or tensor.shape[1] in (1, heads)):
+        if name in _LIKE_SCORES and (tensor.dim() < 3 or tensor.shape[_SCORES_HEADS] in (1, heads)):
             continue
         head_dim = 0 if tensor.dim() == 1 else 1  # where a tensor of heads would have them
-        if name not in _HEADS_FIRST | _HEADS_SECOND and tensor.shape[head_dim] not in (heads, kv_heads):
+        if name not in _HEADS_FIRST | _LIKE_SCORES and tensor.shape[head_dim] not in (heads, kv_heads):
             continue  # of no head layout (labels passed along, say): the same for every group
         return 1, f"its argument {name} of shape {tuple(tensor.shape)} may lay out heads in a way not known here"
     if kv_heads == 1:
@@ -217,15 +220,12 @@ def _groups(query, key, value, attention_mask, kwargs) -> tuple[int, str | None]
 
 
 def _per_group(tensor, dim: int, heads: int, groups: int) -> list:
-    """The tensor's part for each group where it lays out heads along `dim` (a per-head vector's
-    first, a (batch, heads, queries, keys) mask's or bias's second), else the whole for each: a
-    padding mask (batch, tokens) whose length equals the head count is not split."""
-    if (
-        not isinstance(tensor, torch.Tensor)
-        or tensor.dim() <= dim
-        or (dim == 1 and tensor.dim() != 4)
-        or tensor.shape[dim] != heads
-    ):
+    """The tensor's part for each group where it lays out heads along `dim` (0: a per-head
+    vector's first; `_SCORES_HEADS`: a mask's or bias's, of three dimensions or more), else the
+    whole for each: a padding mask (batch, tokens) whose length equals the head count is not
+    split. (Given whole to every group, a (heads, q, k) bias would be broadcast against each
+    group's scores: an error, or with one head per group every head's bias on each.)"""
+    if not isinstance(tensor, torch.Tensor) or tensor.dim() < (1 if dim == 0 else -dim) or tensor.shape[dim] != heads:
         return [tensor] * groups
     return list(tensor.split(heads // groups, dim=dim))
 
@@ -235,8 +235,8 @@ def _kwargs_per_group(kwargs: dict, heads: int, groups: int) -> list[dict]:
     for name, value in kwargs.items():
         if name in _HEADS_FIRST:
             pieces[name] = _per_group(value, 0, heads, groups)
-        elif name in _HEADS_SECOND:
-            pieces[name] = _per_group(value, 1, heads, groups)
+        elif name in _LIKE_SCORES:
+            pieces[name] = _per_group(value, _SCORES_HEADS, heads, groups)
         else:
             pieces[name] = [value] * groups
     return [{name: parts[index] for name, parts in pieces.items()} for index in range(groups)]
