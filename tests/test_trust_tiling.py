@@ -299,3 +299,40 @@ def test_router_jitter_drawn_again_in_backward_is_caught(monkeypatch):
     monkeypatch.setattr(Replay, "replaying", lambda self, index: self._autocast())
     analytic, difference = float64_directional_derivatives(jittered_mixtral(), ids())
     assert analytic != pytest.approx(difference, rel=JITTER_AGREEMENT)
+
+
+def test_a_hook_on_lm_head_may_ask_the_logits_for_their_storage(caplog):
+    """A forward hook on lm_head that stores its outputs and reads their storage (as memory
+    trackers do) gets the deferred logits' own storage, as from any tensor: the loss stays tiled,
+    and the step equals the same step without the hook (before the fix the tiled loss's own calls
+    of lm_head raised an AttributeError)."""
+    plain = tiny_model("llama", **TWO_LAYERS).double()
+    plain.enable_sequence_tiling(tile_tokens=TILE)
+    hooked = twin(plain)
+    stored = []
+
+    def hook(module, args, output):
+        stored.append((output, output.untyped_storage().nbytes(), output.data_ptr(), output.storage_offset()))
+
+    hooked.lm_head.register_forward_hook(hook)
+    with caplog.at_level(logging.WARNING, logger="hf_offload"):
+        assert_close(step(plain, ids()), step(hooked, ids()), rtol=0, atol=0)
+    assert stored and all(isinstance(nbytes, int) for _output, nbytes, _ptr, _offset in stored)
+    assert "runs untiled" not in caplog.text
+
+
+def test_a_hook_that_wants_the_whole_logits_inside_the_tiled_loss_is_told_why():
+    """A hook that makes the logits real only on a later call of lm_head (the tiled loss's own, in
+    its forward) gets an error naming what to do, not an AttributeError from inside the model."""
+    model = tiny_model("llama", **TWO_LAYERS).double()
+    model.enable_sequence_tiling(tile_tokens=TILE)
+    calls = []
+
+    def hook(module, args, output):
+        calls.append(1)
+        if len(calls) > 1:
+            output.sum()
+
+    model.lm_head.register_forward_hook(hook)
+    with pytest.raises(RuntimeError, match=r"loss=False"):
+        model(input_ids=ids(), labels=ids())
