@@ -140,6 +140,18 @@ def test_training_mode_splits_with_or_without_grad_and_eval_mode_never(monkeypat
             assert (len(slices), set(heads)) == ((2 * SEQ // TILE, {split}) if training else (0, {4})), (training, grad)
 
 
+def test_training_mode_under_inference_mode_runs_whole():
+    """Inference mode is no checkpoint's pass, and its tensors have no version counter for a
+    tiled module's first call to read: a training-mode model under it runs as untiled (with
+    `training` alone as the rule it raised)."""
+    plain = tiny_model("llama", attn_implementation="sdpa", **TWO_LAYERS).double()
+    tiled = twin(plain)
+    tiled.enable_sequence_tiling(tile_tokens=TILE)
+    with torch.inference_mode():
+        expected, actual = plain(input_ids=ids()).logits, tiled(input_ids=ids()).logits
+    assert torch.equal(expected, actual)
+
+
 # -- item 3: a user's inputs_embeds keep their gradient under offloading ---------------------------
 
 
