@@ -9,8 +9,8 @@ or a finite difference of the reported loss, computed here in float64 from the l
 
 from __future__ import annotations
 
-import gc
 import logging
+import weakref
 
 import pytest
 import torch
@@ -193,6 +193,20 @@ def test_the_models_own_embeddings_output_is_still_detoured_after_a_users_call()
 # -- item 8: deep copies, per-head biases, router jitter, hooks on lm_head -------------------------
 
 
+@pytest.fixture
+def own_registry(monkeypatch):
+    """transformers' SDPA entry unwrapped, and no tiled block counted: this test's own state (tiled
+    models of earlier tests may still be alive), given back afterwards."""
+    from transformers.modeling_utils import AttentionInterface
+
+    from hf_offload.tiling import attention
+
+    registry = AttentionInterface._global_mapping
+    monkeypatch.setitem(registry, "sdpa", getattr(registry["sdpa"], "_hf_offload_heads_of", registry["sdpa"]))
+    monkeypatch.setattr(attention, "_originals", {})
+    monkeypatch.setattr(attention, "_live", weakref.WeakSet())
+
+
 def registry_wrapped() -> bool:
     from transformers.modeling_utils import AttentionInterface
 
@@ -200,7 +214,6 @@ def registry_wrapped() -> bool:
 
 
 def heads_model():
-    gc.collect()  # earlier tests' tiled models, which would keep the registry wrapped
     model = tiny_model("llama", attn_implementation="sdpa", **TWO_LAYERS)
     model.enable_sequence_tiling(**HEADS_ONLY)
     return model
@@ -213,7 +226,7 @@ def heads_per_call(model, heads: list[int]) -> set[int]:
 
 
 @pytest.mark.parametrize("disabled", ["original", "copy"])
-def test_a_deep_copy_tiles_heads_whatever_the_original_does(heads, disabled):
+def test_a_deep_copy_tiles_heads_whatever_the_original_does(own_registry, heads, disabled):
     """TRL's reference model is a deep copy: disabling tiling on one of the two leaves the other
     tiling heads (before the fix the copy's blocks were not counted, and the original's disabling
     gave transformers' registry its own functions back under the copy)."""
@@ -228,7 +241,7 @@ def test_a_deep_copy_tiles_heads_whatever_the_original_does(heads, disabled):
     assert not registry_wrapped()
 
 
-def test_an_unpickled_model_tiles_heads_where_the_registry_was_given_back(heads):
+def test_an_unpickled_model_tiles_heads_where_the_registry_was_given_back(own_registry, heads):
     """As in a new process: the model is loaded where no tiled model has wrapped the registry."""
     import pickle
 
