@@ -87,7 +87,7 @@ def attention_dropout_pair():
     return plain, reentrant
 
 
-def test_attention_dropout_over_heads_under_a_reentrant_checkpoint_gives_the_reported_losss_gradient():
+def test_attention_dropout_over_heads_under_a_reentrant_checkpoint_gives_the_gradient_of_the_reported_loss():
     """The reentrant forward (no_grad) and its recompute (grad) split heads alike, so they draw the
     same masks: loss and gradients as tiling without checkpointing (before the fix the forward ran
     whole, and the gradients were off by about 1e-2)."""
@@ -95,7 +95,7 @@ def test_attention_dropout_over_heads_under_a_reentrant_checkpoint_gives_the_rep
     assert_close(seeded_step(plain), seeded_step(reentrant), **FLOAT64)
 
 
-def test_lora_dropout_in_a_tiled_mlp_under_a_reentrant_checkpoint_gives_the_reported_losss_gradient():
+def test_lora_dropout_in_a_tiled_mlp_under_a_reentrant_checkpoint_gives_the_gradient_of_the_reported_loss():
     """The same for LoRA dropout in a tiled MLP: a whole mask in the no_grad forward, one per slice
     in the recompute, before the fix."""
     base = tiny_model("llama", **TWO_LAYERS).double()
@@ -309,7 +309,7 @@ JITTER_AGREEMENT = 5e-5
 
 
 @pytest.mark.parametrize("checkpointing", [None, "reentrant"])
-def test_mixtral_router_jitter_drawn_per_slice_gives_the_reported_losss_gradient(checkpointing):
+def test_mixtral_router_jitter_drawn_per_slice_gives_the_gradient_of_the_reported_loss(checkpointing):
     """Issue 31 asked: is the gradient with the jitter drawn per slice that of the reported loss?
     Yes: each slice's recompute replays its draw. Under a reentrant checkpoint it was not before
     the one splitting rule (off by 2.7e-3 measured): the no_grad forward drew the jitter whole."""
