@@ -47,13 +47,18 @@ class _Controller:
         self._outside: _ModuleCache = _ModuleCache()
         self.embeddings_hook = None  # records the input embeddings' output of each pass
         self.embeddings_output: weakref.ref | None = None
+        # Hooks on the modules enclosing the embeddings, and how many of their calls are open: only
+        # an output the embeddings produce inside the model's own call is the model's.
+        self.pass_hooks: list = []
+        self.pass_depth = 0
         self.anchor: torch.Tensor | None = None  # what layer 0's detoured input depends on for autograd
 
     def __getstate__(self) -> dict:
         # A pickled or deep-copied model offloads as this one does, from a fresh start: what was
         # learnt about the layers and their storages belongs to this model's process.
         return {
-            **self.__dict__, "paused": False, "unmovable": None, "_outside": _ModuleCache(), "embeddings_output": None
+            **self.__dict__, "paused": False, "unmovable": None, "_outside": _ModuleCache(), "embeddings_output": None,
+            "pass_depth": 0,
         }  # fmt: skip
 
     def __setstate__(self, state: dict) -> None:
@@ -304,9 +309,35 @@ class _EagerScope:
 
 def _record_embeddings_output(controller: _Controller, module: nn.Module, args, output) -> None:
     """Forward hook on the input embeddings (registered after PEFT's, which makes their output
-    require grad under checkpointing): which tensor this pass's embeddings returned."""
-    if isinstance(output, torch.Tensor) and not torch.compiler.is_compiling():
+    require grad under checkpointing): which tensor this pass's embeddings returned, when the
+    model's own call made them (a module enclosing them is in a call). A user who calls the
+    embeddings themselves and passes the result as `inputs_embeds` keeps its gradient."""
+    if isinstance(output, torch.Tensor) and controller.pass_depth > 0 and not torch.compiler.is_compiling():
         controller.embeddings_output = weakref.ref(output)
+
+
+def _enter_pass(controller: _Controller, module: nn.Module, args) -> None:
+    if not torch.compiler.is_compiling():
+        controller.pass_depth += 1
+
+
+def _leave_pass(controller: _Controller, module: nn.Module, args, output) -> None:
+    # Run even when the forward raised (always_call), so that the count comes back to 0.
+    if not torch.compiler.is_compiling():
+        controller.pass_depth = max(controller.pass_depth - 1, 0)
+        if controller.pass_depth == 0:
+            controller.embeddings_output = None
+
+
+def _enclosing(model: nn.Module, module: nn.Module) -> list[nn.Module]:
+    """The modules of `model` whose calls enclose a call of `module` (its ancestors, `model`
+    included): the model's own pass runs the embeddings inside at least one of them (the
+    decoder's backbone is called as a module even where PEFT calls the causal LM's forward)."""
+    name = next((name for name, each in model.named_modules() if each is module), None)
+    if name is None:
+        return []
+    parts = name.split(".")
+    return [model.get_submodule(".".join(parts[:length])) for length in range(len(parts))]
 
 
 class _Detour(torch.autograd.Function):
@@ -336,9 +367,11 @@ DETOUR_EMBEDDINGS_OUTPUT = True
 
 @torch.compiler.disable(reason=_UNDER_COMPILE)
 def _detoured_input(controller: _Controller, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Layer 0's arguments, its hidden states detoured (`_Detour`) where they are this pass's
-    embeddings' output and a leaf that requires grad; else as given (an `inputs_embeds` a user
-    passed, whose gradient the user may read, is left alone)."""
+    """Layer 0's arguments, its hidden states detoured (`_Detour`) where they are the tensor the
+    embeddings returned inside this model call (`_record_embeddings_output`) and a leaf that
+    requires grad; else as given. An `inputs_embeds` the user made, with the embeddings or
+    otherwise, is never that tensor: it reaches layer 0 undetoured, so its gradient arrives in
+    its `.grad`, and as a leaf of the graph it stays on the device."""
     if not DETOUR_EMBEDDINGS_OUTPUT:
         return args, kwargs
     recorded = controller.embeddings_output() if controller.embeddings_output is not None else None
@@ -565,6 +598,11 @@ def enable_activation_offloading(model: nn.Module, *positional: object, **option
         controller.embeddings_hook = embeddings.register_forward_hook(
             functools.partial(_record_embeddings_output, controller)
         )
+        for module in _enclosing(target, embeddings):
+            controller.pass_hooks.append(module.register_forward_pre_hook(functools.partial(_enter_pass, controller)))
+            controller.pass_hooks.append(
+                module.register_forward_hook(functools.partial(_leave_pass, controller), always_call=True)
+            )
     if not target.training:
         logger.info(
             "hf_offload: %s is in eval mode; offloading engages once it trains (model.train(), which "
@@ -587,6 +625,9 @@ def disable_activation_offloading(model: nn.Module) -> None:
     if controller.embeddings_hook is not None:
         controller.embeddings_hook.remove()
         controller.embeddings_hook = None
+    for handle in controller.pass_hooks:
+        handle.remove()
+    controller.pass_hooks.clear()
     delattr(target, MODEL_STATE_ATTR)
     controller.engine.close()  # the disk tier's file and threads, the host pool's free buffers
 

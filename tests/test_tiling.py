@@ -572,7 +572,7 @@ def test_attention_runs_a_group_of_key_value_heads_at_a_time(monkeypatch):
     # This test's own registry state (models of other tests may still be alive, tiled).
     monkeypatch.setitem(registry, "sdpa", original)
     monkeypatch.setattr(attention, "_originals", {})
-    monkeypatch.setattr(attention, "_tiled_modules", weakref.WeakSet())
+    monkeypatch.setattr(attention, "_live", weakref.WeakSet())
     plain = build("llama", dtype=torch.float32)
     tiled = twin(plain)
     hf_offload.enable_sequence_tiling(tiled, tile_tokens=TILE, mlp=False, norms=False, projections=False, loss=False)
@@ -591,9 +591,10 @@ def test_attention_runs_a_group_of_key_value_heads_at_a_time(monkeypatch):
     layers = tiled.config.num_hidden_layers
     assert calls == [(2, 1)] * 2 * layers  # two groups per call, in forward only: nothing is recomputed
     calls.clear()
-    with torch.no_grad():
-        tiled(input_ids=ids())
+    tiled.eval()  # eval mode runs whole, with or without grad (training mode splits under no_grad too)
+    tiled(input_ids=ids())
     assert calls == [(4, 2)] * layers
+    tiled.train()
     registry["sdpa"] = wrapper
     hf_offload.disable_sequence_tiling(tiled)
     assert ALL_ATTENTION_FUNCTIONS["sdpa"] is original
@@ -686,9 +687,10 @@ def test_only_a_mask_laid_out_by_heads_is_split_over_them():
     """A (batch, heads, queries, keys) mask is split with its heads; a padding mask (batch,
     tokens) is not, even where its length equals the head count (a split would give each group
     the wrong positions' mask)."""
-    from hf_offload.tiling.attention import _per_group
+    from hf_offload.tiling.attention import _SCORES_HEADS, _per_group
 
     by_heads = torch.arange(2 * 8 * 3 * 3).view(2, 8, 3, 3)
-    assert [tuple(part.shape) for part in _per_group(by_heads, 1, heads=8, groups=2)] == [(2, 4, 3, 3)] * 2
+    parts = _per_group(by_heads, _SCORES_HEADS, heads=8, groups=2)
+    assert [tuple(part.shape) for part in parts] == [(2, 4, 3, 3)] * 2
     padding = torch.ones(2, 8)
-    assert all(part is padding for part in _per_group(padding, 1, heads=8, groups=2))
+    assert all(part is padding for part in _per_group(padding, _SCORES_HEADS, heads=8, groups=2))

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .replay import splits
+
 logger = logging.getLogger("hf_offload")
 
 HEADS_ATTR = "_hf_offload_tiled_heads"
@@ -33,14 +35,17 @@ SPLITTABLE = ("sdpa", "flash_attention_2", "flash_attention_3", "flash_attention
 # The most groups a call is split into: more adds kernel launches and saves little more memory.
 MAX_GROUPS = 8
 # Tensor keyword arguments, by how they lay out heads: none (the same for every head), per head
-# on their first dimension (attention sinks), per head on their second (masks, position biases;
-# or 1 there, the same for every head).
+# on their first dimension (attention sinks), or as SDPA broadcasts a mask or bias against the
+# (batch, heads, queries, keys) scores: heads third from last where they have three dimensions or
+# more ((batch, heads, q, k), (heads, q, k); or 1 there, the same for every head), none where
+# fewer ((q, k); a FlashAttention padding mask (batch, tokens)).
 _NO_HEADS = frozenset({"position_ids", "cu_seq_lens_q", "cu_seq_lens_k"})
 _HEADS_FIRST = frozenset({"s_aux", "sinks"})
-_HEADS_SECOND = frozenset({"attention_mask", "position_bias"})
+_LIKE_SCORES = frozenset({"attention_mask", "position_bias"})
+_SCORES_HEADS = -3  # where a tensor laid out like the scores has its heads
 
 
-@dataclass
+@dataclass(eq=False)
 class HeadTiling:
     """What tiling keeps on an attention block and the modules in it: the sequence length above
     which it splits, how many calls it has split, what it has said."""
@@ -49,6 +54,14 @@ class HeadTiling:
     said: set = field(default_factory=set)
     calls: int = 0  # attention-function calls that came through the registry
     handles: list = field(default_factory=list)  # the block's hooks, which check that calls do
+
+    def __setstate__(self, state: dict) -> None:
+        # A deep copy (TRL's reference model) or an unpickled model tiles on its own: it keeps
+        # the registry wrapped when the original disables tiling, and wraps it in a new process.
+        self.__dict__.update(state)
+        if self.handles:
+            _live.add(self)
+            _wrap_registry()
 
 
 def _say_once(tiling: HeadTiling, module: nn.Module, reason: str) -> None:
@@ -66,7 +79,7 @@ def _after_block(tiling: HeadTiling, block: nn.Module, args, kwargs, output) -> 
     before = block.__dict__.pop("_hf_offload_calls_before", tiling.calls)
     hidden = args[0] if args else kwargs.get("hidden_states")
     long = isinstance(hidden, torch.Tensor) and hidden.dim() == 3 and hidden.shape[1] > tiling.min_tokens
-    if tiling.calls == before and long and torch.is_grad_enabled():
+    if tiling.calls == before and long and splits(block):
         _say_once(tiling, block, _why_not_reached(block))
 
 
@@ -87,7 +100,9 @@ def _why_not_reached(block: nn.Module) -> str:
 
 
 _originals: dict[str, object] = {}  # the registered functions our wrappers took the place of
-_tiled_modules: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+# Every block's tiling still installed, in any model of the process (copies included): the
+# registry stays wrapped while one is.
+_live: weakref.WeakSet[HeadTiling] = weakref.WeakSet()
 
 
 def _registry():
@@ -121,7 +136,7 @@ def install(attention: nn.Module, min_tokens: int, said: set) -> None:
     tiling = HeadTiling(min_tokens, said)
     for module in attention.modules():
         setattr(module, HEADS_ATTR, tiling)
-        _tiled_modules.add(module)
+    _live.add(tiling)
     tiling.handles = [
         attention.register_forward_pre_hook(functools.partial(_before_block, tiling), with_kwargs=True),
         attention.register_forward_hook(functools.partial(_after_block, tiling), with_kwargs=True),
@@ -132,11 +147,11 @@ def install(attention: nn.Module, min_tokens: int, said: set) -> None:
 def uninstall(attention: nn.Module) -> None:
     tiling = attention.__dict__.pop(HEADS_ATTR, None)
     if tiling is not None:
-        _tiled_modules.discard(attention)
+        _live.discard(tiling)
         for handle in tiling.handles:
             handle.remove()
         tiling.handles.clear()
-    if not _tiled_modules:
+    if not _live:
         _unwrap_registry()
 
 
@@ -150,7 +165,7 @@ def _head_tiled(function, name: str):
         if tiling is None:
             return function(module, query, key, value, attention_mask, *args, **kwargs)
         tiling.calls += 1
-        if not torch.is_grad_enabled() or args or query.dim() != 4 or query.shape[2] <= tiling.min_tokens:
+        if not splits(module) or args or query.dim() != 4 or query.shape[2] <= tiling.min_tokens:
             return function(module, query, key, value, attention_mask, *args, **kwargs)
         groups, reason = _groups(query, key, value, attention_mask, kwargs)
         if reason is not None:
@@ -162,7 +177,7 @@ def _head_tiled(function, name: str):
             query.split(heads // groups, dim=1),
             key.split(kv_heads // groups, dim=1),
             value.split(kv_heads // groups, dim=1),
-            _per_group(attention_mask, 1, heads, groups),
+            _per_group(attention_mask, _SCORES_HEADS, heads, groups),
             _kwargs_per_group(kwargs, heads, groups),
             strict=True,
         ):
@@ -191,10 +206,10 @@ def _groups(query, key, value, attention_mask, kwargs) -> tuple[int, str | None]
             continue
         if name in _HEADS_FIRST and tensor.shape[:1] == (heads,):
             continue
-        if name in _HEADS_SECOND and (tensor.dim() < 4 or tensor.shape[1] in (1, heads)):
+        if name in _LIKE_SCORES and (tensor.dim() < 3 or tensor.shape[_SCORES_HEADS] in (1, heads)):
             continue
         head_dim = 0 if tensor.dim() == 1 else 1  # where a tensor of heads would have them
-        if name not in _HEADS_FIRST | _HEADS_SECOND and tensor.shape[head_dim] not in (heads, kv_heads):
+        if name not in _HEADS_FIRST | _LIKE_SCORES and tensor.shape[head_dim] not in (heads, kv_heads):
             continue  # of no head layout (labels passed along, say): the same for every group
         return 1, f"its argument {name} of shape {tuple(tensor.shape)} may lay out heads in a way not known here"
     if kv_heads == 1:
@@ -205,15 +220,12 @@ def _groups(query, key, value, attention_mask, kwargs) -> tuple[int, str | None]
 
 
 def _per_group(tensor, dim: int, heads: int, groups: int) -> list:
-    """The tensor's part for each group where it lays out heads along `dim` (a per-head vector's
-    first, a (batch, heads, queries, keys) mask's or bias's second), else the whole for each: a
-    padding mask (batch, tokens) whose length equals the head count is not split."""
-    if (
-        not isinstance(tensor, torch.Tensor)
-        or tensor.dim() <= dim
-        or (dim == 1 and tensor.dim() != 4)
-        or tensor.shape[dim] != heads
-    ):
+    """The tensor's part for each group where it lays out heads along `dim` (0: a per-head
+    vector's first; `_SCORES_HEADS`: a mask's or bias's, of three dimensions or more), else the
+    whole for each: a padding mask (batch, tokens) whose length equals the head count is not
+    split. (Given whole to every group, a (heads, q, k) bias would be broadcast against each
+    group's scores: an error, or with one head per group every head's bias on each.)"""
+    if not isinstance(tensor, torch.Tensor) or tensor.dim() < (1 if dim == 0 else -dim) or tensor.shape[dim] != heads:
         return [tensor] * groups
     return list(tensor.split(heads // groups, dim=dim))
 
@@ -223,8 +235,8 @@ def _kwargs_per_group(kwargs: dict, heads: int, groups: int) -> list[dict]:
     for name, value in kwargs.items():
         if name in _HEADS_FIRST:
             pieces[name] = _per_group(value, 0, heads, groups)
-        elif name in _HEADS_SECOND:
-            pieces[name] = _per_group(value, 1, heads, groups)
+        elif name in _LIKE_SCORES:
+            pieces[name] = _per_group(value, _SCORES_HEADS, heads, groups)
         else:
             pieces[name] = [value] * groups
     return [{name: parts[index] for name, parts in pieces.items()} for index in range(groups)]

@@ -45,11 +45,16 @@ LOSS_TILE_ELEMENTS = 2**28
 # bytes an element): 0.33 GiB on a 16 GB GPU instead of 3 GiB, a fifth of it.
 SLICE_DEVICE_SHARE = 1 / 48
 LOSS_BYTES_PER_ELEMENT = 12
-# Questions about the tensor that the deferred logits answer as the real ones would.
+# Questions about the tensor that the deferred logits answer as the real ones would, and about
+# their memory, which they answer for themselves, as any tensor would: the little storage they
+# have (one token's logits at most), for a hook on lm_head that measures or deduplicates outputs by
+# storage (making the logits real to answer would untile the loss, and inside the tiled loss's own
+# calls of lm_head cannot).
 _METADATA = frozenset(
     {
         torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.stride, torch.Tensor.is_floating_point,
-        torch.Tensor.is_complex, torch.Tensor.element_size, torch.Tensor.get_device,
+        torch.Tensor.is_complex, torch.Tensor.element_size, torch.Tensor.get_device, torch.Tensor.untyped_storage,
+        torch.Tensor.data_ptr, torch.Tensor.storage_offset,
     }
 )  # fmt: skip
 _UNDER_COMPILE = "the tiled loss head runs eagerly: torch.compile breaks the graph there"
@@ -166,6 +171,12 @@ class DeferredLogits(torch.Tensor):
         """The real logits (kept: the model's output returns them, as without tiling)."""
         real = self.__dict__.get("materialised")
         if real is None:
+            if self.source.hidden is None:  # handed to lm_head's hooks by the tiled loss's own calls
+                raise RuntimeError(
+                    f"hf_offload: a forward hook on {self.source.slot.model_name}'s lm_head asked for the whole "
+                    "logits inside the tiled loss's own call of lm_head, which computes them one slice at a time; "
+                    "keep the loss untiled (enable_sequence_tiling(loss=False)) for such a hook"
+                )
             real = self.materialised = self.source.logits(self.ops)
         return real
 
@@ -560,6 +571,10 @@ def tiled_loss_forward(self: nn.Module, *args, **kwargs):
     slot: LossSlot = self.__dict__[LOSS_STATE_ATTR]
     forward = slot.forward_of(self)
     labels = kwargs.get("labels")
+    # Not `replay.splits` (training alone), the layers' rule: the loss head runs outside the layers'
+    # checkpoints, so no pass of it runs under no_grad and is then recomputed with grad; and a
+    # training-mode forward under no_grad (a reference model's log-probabilities, an evaluation
+    # without model.eval()) wants outputs.logits, which the tiled loss does not return.
     if not slot.active or labels is None or not (self.training and torch.is_grad_enabled()):
         return forward(*args, **kwargs)
     if torch.is_tensor(labels) and labels.shape[min(1, labels.dim() - 1)] <= slot.tile_for(self):

@@ -31,7 +31,7 @@ from torch import nn
 from .. import instance_forward
 from ..integrations.transformers_outputs import active_collector, collecting
 from .gradients import Targets, backward_by_slices, refuse_double_backward
-from .replay import Replay
+from .replay import Replay, splits
 
 logger = logging.getLogger("hf_offload")
 
@@ -203,11 +203,9 @@ class _TiledMLP(torch.autograd.Function):
 
 @torch.compiler.disable(reason=UNDER_COMPILE)
 def tiled_forward(self: nn.Module, *args, **kwargs):
-    """The module's forward, one slice of the sequence at a time when it is training with grad on
-    and the sequence is longer than a tile (bound to the module instance). In eval mode it runs
-    whole, as transformers' checkpointing does: the slices run under no_grad, and a module in eval
-    mode reads a call without grad as inference (bitsandbytes' 4-bit layers on a CPU with
-    AVX512-BF16 then repack their weight for inference, and gradients through it are lost).
+    """The module's forward, one slice of the sequence at a time when it is training (`splits`:
+    grad on or off, so that a reentrant checkpoint's two passes slice alike) and the sequence is
+    longer than a tile (bound to the module instance). In eval mode it runs whole.
 
     Once the module has been called with inputs of this kind, the Function saves its input before
     any slice runs and the slices fill its outputs afterwards: inside a non-reentrant checkpoint's
@@ -223,7 +221,7 @@ def tiled_forward(self: nn.Module, *args, **kwargs):
         or not isinstance(hidden, torch.Tensor)
         or hidden.dim() != 3
         or hidden.shape[1] <= slot.tile_tokens
-        or not (self.training and torch.is_grad_enabled())
+        or not splits(self)
     ):
         return own_forward(*args, **kwargs)
     rest = args[1:]

@@ -14,6 +14,25 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+from torch import nn
+
+
+def splits(module: nn.Module) -> bool:
+    """Whether tiling runs a call of `module` (a per-token module, attention over heads) in
+    pieces: when the module is training, grad on or off (not in inference mode). The one rule
+    for both.
+
+    Not "training with grad enabled": a reentrant checkpoint runs the layer's first forward under
+    no_grad and its recompute with grad, so such a rule ran the call whole in the forward that
+    reports the loss and in pieces in the recompute that gives the gradient. Where the pieces draw
+    random numbers (attention dropout per group of heads, LoRA dropout per slice), the two passes
+    drew different masks, and the gradient was that of another loss. Training mode is the same in
+    both passes. Eval mode stays whole: a module in eval mode reads a call without grad as
+    inference (bitsandbytes' 4-bit layers on a CPU with AVX512-BF16 repack their weight in place
+    for it), so no piece of it runs there under no_grad. Nor under inference mode, which no
+    checkpoint's pass runs under: its tensors have no version counter for a tiled module to read
+    (training-mode generation under `torch.inference_mode()`)."""
+    return module.training and not torch.is_inference_mode_enabled()
 
 
 def _autocast_state(device_type: str) -> tuple[tuple[str, bool, torch.dtype], ...]:
