@@ -33,6 +33,7 @@ from torch import nn
 
 from .. import auto_budget, instance_forward
 from ..compiling import under_torch_compile
+from ..integrations.trl import fused_head_notice, in_trl_fused_head
 from . import per_token
 from .gradients import Targets, backward_by_slices, inside_one_call, refuse_double_backward
 from .replay import Replay
@@ -357,9 +358,11 @@ class LossSlot:
         self.final_norm = final_norm  # run slice by slice with lm_head (None: not found, or not asked for)
         self.active = True  # False: disabled while another wrapper still holds ours (a pass-through)
         self._warned: set[str] = set()
+        self.backbone_hook = None  # the backbone's pre-hook that notices TRL's fused head
 
     def __getstate__(self) -> dict:
-        # A pickled or deep-copied model says its notices again.
+        # A pickled or deep-copied model says its notices again (and its copied backbone carries
+        # the copy's own hook).
         return {**self.__dict__, "_warned": set()}
 
     def tile_for(self, model: nn.Module) -> int:
@@ -574,6 +577,8 @@ def tiled_loss_forward(self: nn.Module, *args, **kwargs):
     labels = kwargs.get("labels")
     if not slot.active or labels is None or not (self.training and torch.is_grad_enabled()):
         return forward(*args, **kwargs)
+    if kwargs.get("fused_lm_head"):  # TRL's fused head, put on after tiling: it never calls lm_head
+        return forward(*args, **kwargs)
     if torch.is_tensor(labels) and labels.shape[min(1, labels.dim() - 1)] <= slot.tile_for(self):
         return forward(*args, **kwargs)  # one slice: tiling would recompute the head and save nothing
     from transformers.loss.loss_utils import ForCausalLMLoss
@@ -599,14 +604,31 @@ def tiled_loss_forward(self: nn.Module, *args, **kwargs):
     return _without_deferred(output)
 
 
+def _notice_a_foreign_head(slot: LossSlot, backbone: nn.Module, args) -> None:
+    """The backbone's forward pre-hook: TRL's trainers call the backbone from their fused LM head
+    (`add_fused_lm_head`), past the model's forward and so past the tiled loss; say so, once."""
+    if "trl_fused_head" in slot._warned or not (slot.active and backbone.training and torch.is_grad_enabled()):
+        return
+    if in_trl_fused_head():
+        slot.warn_once("trl_fused_head", fused_head_notice(slot.model_name))
+
+
 def install(model: nn.Module, tile_tokens: int | None, final_norm: nn.Module | None = None) -> None:
     name = type(model).__name__
     instance_forward.install(
         model, tiled_loss_forward, LOSS_STATE_ATTR, lambda previous: LossSlot(tile_tokens, previous, name, final_norm)
     )
+    backbone = getattr(model, "base_model", None)
+    if isinstance(backbone, nn.Module) and backbone is not model:
+        slot = model.__dict__[LOSS_STATE_ATTR]
+        slot.backbone_hook = backbone.register_forward_pre_hook(functools.partial(_notice_a_foreign_head, slot))
 
 
 def uninstall(model: nn.Module) -> None:
+    slot: LossSlot | None = model.__dict__.get(LOSS_STATE_ATTR)
+    if slot is not None and slot.backbone_hook is not None:
+        slot.backbone_hook.remove()
+        slot.backbone_hook = None
     instance_forward.remove(model, tiled_loss_forward, LOSS_STATE_ATTR)
 
 
