@@ -69,7 +69,8 @@ _PER_TOKEN_OPS = frozenset(
 _REFLECTED = frozenset({"mul", "div", "truediv", "add", "sub", "pow"})
 
 
-# Off only to measure what chaining the final norm with lm_head buys (`hf_offload.internal`).
+# Off only to measure what tiling the final norm (chained with lm_head where it can be) buys
+# (`hf_offload.internal`): off, it runs whole.
 CHAIN_FINAL_NORM = True
 
 

@@ -1,5 +1,5 @@
-"""A per-token module (a decoder layer's MLP, its norms, its attention's projections), run one
-slice of the sequence at a time.
+"""A per-token module (a decoder layer's MLP, its norms, its attention's projections, the final
+norm), run one slice of the sequence at a time.
 
 The module is per token, so its output for a slice of tokens depends on those tokens only. In
 forward the slices run under no_grad and only the module's input is saved; in backward each
@@ -7,7 +7,8 @@ slice is recomputed with grad and differentiated with `torch.autograd.grad`, and
 gradients are summed over the slices and returned once. The intermediate activations of one
 slice exist at a time. (Returned once, not accumulated per slice into `.grad`: each parameter's
 AccumulateGrad runs once per step, as without tiling, so DDP's reducer and FSDP2's post-backward
-see one gradient, and hooks on gradients fire as they would.)
+see one gradient, and hooks on gradients fire as they would.) Either way the slices run inside
+one call of the module, so its hooks run once in forward and once in backward.
 
 It wraps the module's own current forward on the instance, so whatever the module is runs
 unchanged: transformers' gated MLP, one with LoRA or DoRA adapters, Liger's SwiGLU forward, an
