@@ -235,6 +235,22 @@ class _Scoring(TorchFunctionMode):
 _HALF = (torch.float16, torch.bfloat16)
 
 
+def _autocast_answers() -> list[tuple[object, str, object]]:
+    """TRL asks `torch.is_autocast_enabled(device.type)`, which PyTorch refuses for "meta"; the
+    CPU's autocast stands for CUDA's in the simulated step (`stand_ins.autocast_as_on_cuda`)."""
+    enabled, dtype = torch.is_autocast_enabled, torch.get_autocast_dtype
+
+    def is_autocast_enabled(device_type=None):
+        if device_type is None:
+            return enabled()
+        return enabled("cpu" if device_type == "meta" else device_type)
+
+    def get_autocast_dtype(device_type):
+        return dtype("cpu" if device_type == "meta" else device_type)
+
+    return [(torch, "is_autocast_enabled", is_autocast_enabled), (torch, "get_autocast_dtype", get_autocast_dtype)]
+
+
 @contextlib.contextmanager
 def fused_head_as_on_cuda(kernel: str = "triton") -> Iterator[_Scoring]:
     """TRL's fused head on meta tensors as it runs on a CUDA device (module docstring); with
@@ -243,25 +259,7 @@ def fused_head_as_on_cuda(kernel: str = "triton") -> Iterator[_Scoring]:
     import trl.trainer.utils as trl_utils
     from trl.kernels import chunked_logprob
 
-    original = {
-        "is_autocast_enabled": torch.is_autocast_enabled,
-        "get_autocast_dtype": torch.get_autocast_dtype,
-    }
-
-    # The CPU's autocast stands for CUDA's in the simulated step (`stand_ins.autocast_as_on_cuda`).
-    def is_autocast_enabled(device_type=None):
-        if device_type == "meta":
-            return original["is_autocast_enabled"]("cpu")
-        enabled = original["is_autocast_enabled"]
-        return enabled() if device_type is None else enabled(device_type)
-
-    def get_autocast_dtype(device_type):
-        return original["get_autocast_dtype"]("cpu" if device_type == "meta" else device_type)
-
-    patches: list[tuple[object, str, object]] = [
-        (torch, "is_autocast_enabled", is_autocast_enabled),
-        (torch, "get_autocast_dtype", get_autocast_dtype),
-    ]
+    patches = _autocast_answers()
     if kernel == "triton":
         use_triton = chunked_logprob._use_triton
         addmm_fp32 = chunked_logprob._addmm_fp32
