@@ -58,6 +58,9 @@ class TrlStep:
     prompt_length: int = 512
     num_generations: int = 8  # GRPO: the rows one generation batch holds on this GPU
     grpo_beta: float = 0.04  # GRPO: the KL term's weight; 0 computes no reference log-probs
+    # GRPO: the old policy's log-probabilities, which TRL computes with vLLM (its importance
+    # sampling) or when generation and optimizer steps are misaligned; without, it reuses the policy's.
+    old_log_probs: bool = True
     kernel: str = "triton"  # "torch": TRL's fallback for devices without Triton (the CPU's)
 
     def __post_init__(self) -> None:
@@ -157,7 +160,7 @@ def _grpo(model, step, batch_size, seq_len, device, scoring):
     labels = micro_ids.masked_fill(micro_mask == 0, -100)
     labels[:, :-seq_len] = -100
 
-    def old_log_probs() -> torch.Tensor:
+    def scored_without_grad() -> torch.Tensor:
         # Every micro-batch of the generation batch runs the same pass; one is run, the rest of the
         # result (what each would add) is allocated beside it.
         out = _score(model, scoring, rows * seq_len, input_ids=micro_ids, attention_mask=micro_mask, labels=labels)
@@ -168,19 +171,21 @@ def _grpo(model, step, batch_size, seq_len, device, scoring):
 
     from trl.models.utils import disable_gradient_checkpointing
 
-    with torch.no_grad(), disable_gradient_checkpointing(model, {"use_reentrant": False}):
-        old = old_log_probs()
+    old = None
+    if step.old_log_probs:
+        with torch.no_grad(), disable_gradient_checkpointing(model, {"use_reentrant": False}):
+            old = scored_without_grad()
     reference = None
     if step.grpo_beta:
         with _reference(model):
-            reference = old_log_probs()
+            reference = scored_without_grad()
     advantages = torch.zeros((generations,), dtype=torch.float32, device=device)
 
     outputs = _score(model, scoring, rows * seq_len, input_ids=micro_ids, attention_mask=micro_mask, labels=labels)
     logps = outputs.log_probs[:, -seq_len:]
     del outputs
     mask = completion_mask[:rows]
-    ratio = torch.exp(logps - old[:rows])
+    ratio = torch.exp(logps - (logps.detach() if old is None else old[:rows]))
     clipped = torch.clamp(ratio, 1 - GRPO_EPSILON, 1 + GRPO_EPSILON)
     advantage = advantages[:rows].unsqueeze(1)
     per_token = -torch.min(ratio * advantage, clipped * advantage)
