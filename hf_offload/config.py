@@ -185,8 +185,10 @@ class TilingOptions:
 
     mlp: run each decoder layer's MLP one slice of the sequence at a time, saving only its input.
     norms: the same for the layer's own norms (RMSNorm, LayerNorm), whose float32 upcasts and
-        backward temporaries then exist for one slice; and, with `loss`, the final norm, run slice
-        by slice with lm_head.
+        backward temporaries then exist for one slice; and the final norm (between the last layer
+        and lm_head), which with `loss` runs slice by slice with lm_head where lm_head takes what
+        it returned, and otherwise (TRL's fused head, Liger's fused cross-entropy, a loss of the
+        user's over the hidden states) slice by slice on its own.
     projections: the same for the attention's linear projections (q, k, v, o), found at each call
         so that LoRA layers added later are tiled whole: PEFT's float32 adapters then copy their
         input to float32 for one slice at a time.

@@ -370,14 +370,21 @@ def scenario_zero3(tiling: bool = False) -> dict:
             enable_sim(model)
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
         gathered: list[StorageWeakRef] = []
+        names = {module: name for name, module in model.named_modules()}
+        calls: dict[str, int] = {}  # calls of each module holding parameters, in the last step
+        in_layers = set(model.model.layers.modules())
 
         def record(module, args, output):
+            calls[names[module]] = calls.get(names[module], 0) + 1
+            if module not in in_layers:
+                return
             for param in module.parameters(recurse=False):
                 if param.numel() > 0:
                     gathered.append(StorageWeakRef(param.untyped_storage()))
 
         def train_step(step: int) -> None:
             gathered.clear()
+            calls.clear()
             ids = batch(seed=100 * step + dist.get_rank())
             loss = engine(input_ids=ids, labels=ids).loss
             alive.append(sum(not ref.expired() for ref in gathered))  # between forward and backward
@@ -390,8 +397,8 @@ def scenario_zero3(tiling: bool = False) -> dict:
         # them in a forward hook that runs before ZeRO-3's release hook.
         handles = [
             module.register_forward_hook(record, prepend=True)
-            for module in model.model.layers.modules()
-            if next(module.parameters(recurse=False), None) is not None
+            for module in model.modules()
+            if next(module.parameters(recurse=False), None) is not None and module is not model.model.embed_tokens
         ]
         losses, grads, alive = [], [], []
         watching = WATCH.watching(model) if offload else contextlib.nullcontext()
@@ -404,15 +411,15 @@ def scenario_zero3(tiling: bool = False) -> dict:
         for name, param in model.named_parameters():
             with deepspeed.zero.GatheredParameters([param]):
                 weights[name] = param.detach().clone()
-        return (losses, grads, weights), model, alive, len(gathered)
+        return (losses, grads, weights), model, alive, len(gathered), calls
 
     if tiling:
         # Tiled (3 slices, every part and the loss head) against untiled, and tiled + offloaded
         # against tiled alone; the loss head's slices gather lm_head's weight, the MLP's slices
         # their projections' (ZeRO-3 hooks), and ZeRO-3 reduces each gradient once.
-        untiled_run, *_ = run(offload=False)
-        tiled_run, tiled, tiled_alive, count = run(offload=False, tiled=True)
-        offloaded_run, offloaded, alive, _ = run(offload=True, tiled=True)
+        untiled_run, *_, untiled_calls = run(offload=False)
+        tiled_run, tiled, tiled_alive, count, tiled_calls = run(offload=False, tiled=True)
+        offloaded_run, offloaded, alive, *_ = run(offload=True, tiled=True)
         result = compare(tiled_run, offloaded_run, offloaded)
         close = [
             torch.allclose(a[name], b[name], rtol=1e-4, atol=1e-6)
@@ -424,12 +431,14 @@ def scenario_zero3(tiling: bool = False) -> dict:
             untiled_losses=[float(x) for x in untiled_run[0]],
             tiled=hf_offload.is_sequence_tiling(tiled),
             gathered_per_step=count,
+            calls_per_step=tiled_calls,
+            untiled_calls_per_step=untiled_calls,
             gathered_alive_plain=tiled_alive,
             gathered_alive_offloaded=alive,
         )
         return result
-    plain_run, _, plain_alive, count = run(offload=False)
-    offloaded_run, offloaded, alive, _ = run(offload=True)
+    plain_run, _, plain_alive, count, _ = run(offload=False)
+    offloaded_run, offloaded, alive, *_ = run(offload=True)
     result = compare(plain_run, offloaded_run, offloaded)
     result.update(gathered_per_step=count, gathered_alive_plain=plain_alive, gathered_alive_offloaded=alive)
     return result

@@ -599,32 +599,67 @@ def test_attention_runs_a_group_of_key_value_heads_at_a_time(monkeypatch):
     assert ALL_ATTENTION_FUNCTIONS["sdpa"] is original
 
 
-def test_the_final_norm_runs_slice_by_slice_with_the_loss_head(monkeypatch):
-    """The final norm is per token: lm_head's slices are computed from the norm's input, the norm
-    running slice by slice with the head in forward and in backward; the model's own call of the
-    norm on the whole sequence is used no further (no gradient reaches its output), and the
-    norm's weight gets its gradient (the float64 tests above hold every gradient)."""
-    plain = build("llama")
-    tiled = twin(plain)
-    hf_offload.enable_sequence_tiling(tiled, tile_tokens=TILE, mlp=False, projections=False)  # norms: the final one too
-    norm = tiled.model.norm
-    widths, whole_gradients = [], []
+def _norm_widths(monkeypatch, model) -> list[int]:
+    """The widths of the final norm's forwards (its class's), appended as they run."""
+    norm, widths = model.model.norm, []
     original = type(norm).forward
 
     def spying(self, x):
-        output = original(self, x)
         if self is norm:
             widths.append(x.shape[1])
-            if x.shape[1] == SEQ:
-                output.register_hook(lambda grad: whole_gradients.append(grad))
-        return output
+        return original(self, x)
 
     monkeypatch.setattr(type(norm), "forward", spying)
+    return widths
+
+
+def test_the_final_norm_runs_slice_by_slice_with_the_loss_head(monkeypatch):
+    """The final norm is per token: lm_head's slices are computed from the norm's input, the norm
+    running slice by slice with the head in forward and in backward; the model's own call of the
+    norm runs a slice at a time too, and its output is used no further (else the float64 gradients
+    would count the norm twice); the norm's weight gets its gradient."""
+    plain = build("llama")
+    tiled = twin(plain)
+    hf_offload.enable_sequence_tiling(tiled, tile_tokens=TILE, mlp=False, projections=False)  # norms: the final one too
+    widths = _norm_widths(monkeypatch, tiled)
     expected, actual = step(plain), step(tiled)
     assert_close(expected, actual, **FLOAT64)
     assert "model.norm.weight" in actual[1]
-    assert widths == [SEQ] + [TILE] * (2 * SEQ // TILE)  # the model's call, then each slice in forward and backward
-    assert not whole_gradients
+    # The model's call, then the loss head's slices in forward and in backward: never the whole sequence.
+    assert widths == [TILE] * (3 * SEQ // TILE)
+
+
+def test_the_final_norm_runs_slice_by_slice_without_the_loss_head(monkeypatch):
+    """Where the loss head is not ours (loss=False here; TRL's fused head and Liger's fused
+    cross-entropy take the backbone's last hidden state), the final norm is a tiled per-token
+    module of its own: a slice at a time in forward and in backward (recomputed), close to untiled."""
+    plain = build("llama")
+    tiled = twin(plain)
+    hf_offload.enable_sequence_tiling(tiled, tile_tokens=TILE, mlp=False, projections=False, loss=False)
+    assert per_token.is_tiled(tiled.model.norm)
+    widths = _norm_widths(monkeypatch, tiled)
+    assert_close(step(plain), step(tiled), **FLOAT64)
+    assert widths == [TILE] * (2 * SEQ // TILE)
+
+
+def test_a_final_norm_with_hooks_is_not_chained_and_its_hooks_count():
+    """A forward hook on the final norm that changes its output changes the tiled loss as it
+    changes the untiled one; a hook that captures the output gets the norm's real output in
+    forward (a norm with hooks is not chained into the loss head, where its hooks would see
+    the deferred logits and their changes be lost; it runs tiled on its own)."""
+    plain = build("llama")
+    tiled = twin(plain)
+    hf_offload.enable_sequence_tiling(tiled, tile_tokens=TILE)
+    for model in (plain, tiled):
+        model.model.norm.register_forward_hook(lambda module, args, output: output * 2.0)
+    captured = []
+    tiled.model.norm.register_forward_hook(lambda module, args, output: captured.append(output))
+    expected, actual = step(plain), step(tiled)
+    assert_close(expected, actual, **FLOAT64)
+    # Once around the forward's slices (the real output) and once around the backward's (a stand-in
+    # of its shape, holding nothing), never with the deferred logits.
+    assert [(type(t), tuple(t.shape)) for t in captured] == [(torch.Tensor, (2, SEQ, tiled.config.hidden_size))] * 2
+    assert captured[0].untyped_storage().nbytes() == captured[0].nbytes
 
 
 def _held_after_the_step(model) -> list[str]:
@@ -634,15 +669,16 @@ def _held_after_the_step(model) -> list[str]:
     import gc
     import weakref
 
-    norm, seen = model.model.norm, {}
+    # The last layer's output is the final norm's input (a hook on the norm itself would unchain it).
+    last, seen = model.model.layers[-1], {}
 
-    def record(module, args):
-        hidden = args[0]
+    def record(module, args, output):
+        hidden = output[0] if isinstance(output, tuple) else output
         if hidden.shape[1] == SEQ and "input" not in seen:
             seen["input"] = weakref.ref(hidden)
             hidden.register_hook(lambda grad: seen.update(gradient=weakref.ref(grad)))
 
-    handle = norm.register_forward_pre_hook(record)
+    handle = last.register_forward_hook(record)
     gc.collect()
     gc.disable()
     try:

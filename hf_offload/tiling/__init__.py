@@ -107,13 +107,18 @@ def enable_sequence_tiling(model: nn.Module, *positional: object, **options: obj
     said: set[str] = set()  # one notice per model, whichever layer meets it first
     for attention in head_tiled:
         attention_tiling.install(attention, tile, said)
+    # The final norm is per token too, and its float32 work at the end of the backbone is as large as
+    # a layer's norm's: it is tiled as they are wherever it runs (TRL's fused head and Liger's fused
+    # cross-entropy take the backbone's last hidden state, so only tiling it on its own reaches
+    # them), and chained into the tiled loss head where lm_head takes what it returned.
+    final_norm = None
+    if parsed.norms and loss_tiling.CHAIN_FINAL_NORM:
+        final_norm = find_final_norm(target, layers or resolve_layers(target)[1])
+        if final_norm is not None:
+            modules.setdefault(id(final_norm), final_norm)
     for module in modules.values():
         per_token.install(module, tile)
     if tiles_loss:
-        # The final norm is per token too: it runs slice by slice with lm_head, so that its output
-        # and its float32 work never exist for the whole sequence.
-        chain = parsed.norms and loss_tiling.CHAIN_FINAL_NORM
-        final_norm = find_final_norm(target, layers or resolve_layers(target)[1]) if chain else None
         loss_tiling.install(target, parsed.tile_tokens, final_norm)
 
 

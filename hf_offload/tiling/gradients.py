@@ -1,7 +1,7 @@
-"""Backward of a tiled call: each slice recomputed (through the module's own call, so that module
-hooks run as they do in forward: DeepSpeed ZeRO-3 gathering parameters, FSDP unsharding,
-accelerate moving offloaded weights, a user's hooks), differentiated, and its gradients put where
-they belong.
+"""Backward of a tiled call: each slice recomputed by the module's forward, inside one call of the
+module (`inside_one_call`) so that its hooks run once around the slices as they do in forward
+(DeepSpeed ZeRO-3 gathering parameters, FSDP unsharding, a user's hooks; accelerate's device hooks
+wrap the forward and run with each slice), differentiated, and its gradients put where they belong.
 
 Gradients of the tensors the computation uses besides its input arrive once per step, as without
 tiling. Two ways, by what the training setup listens to:
@@ -154,3 +154,29 @@ def backward_by_slices(
             if grad is not None:
                 sums[position] = grad if sums[position] is None else sums[position].add_(grad)
     return grad_x, sums
+
+
+def inside_one_call(module: nn.Module, work: Callable[[], object], args: tuple, kwargs: dict, stand_in: object):
+    """`work()`, run inside one call of `module` on `args` and `kwargs`: its hooks run once around
+    the whole of it (ZeRO-3 gathers its parameters and releases them after, FSDP unshards, a user's
+    hook sees one call), and see `stand_in` as what the call returned (what they return is
+    dropped: `work` computes from the module's forward, which the hooks are not part of). Not a
+    closure over itself: a reference cycle would keep what `work` returned alive until the
+    garbage collector runs."""
+    done: list = []
+
+    def driving(*_args, **_kwargs):
+        done.append(work())
+        return stand_in
+
+    previous = module.__dict__.get("forward")
+    module.forward = driving
+    try:
+        module(*args, **kwargs)
+    finally:
+        if previous is None:
+            module.__dict__.pop("forward", None)
+        else:
+            module.forward = previous
+    return done.pop()
+

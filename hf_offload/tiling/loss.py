@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import types
 from dataclasses import dataclass
@@ -32,7 +33,9 @@ from torch import nn
 
 from .. import auto_budget, instance_forward
 from ..compiling import under_torch_compile
-from .gradients import Targets, backward_by_slices, refuse_double_backward
+from ..integrations.trl import fused_head_notice, in_trl_fused_head
+from . import per_token
+from .gradients import Targets, backward_by_slices, inside_one_call, refuse_double_backward
 from .replay import Replay
 
 logger = logging.getLogger("hf_offload")
@@ -227,9 +230,10 @@ class _Source:
     The slices are computed by the stages' forwards, inside one call of each stage's module
     (`inside_a_call`): their hooks run around them, once, as around any call (ZeRO-3 gathers the
     weight, FSDP unshards it, a user's hook sees a call on the whole sequence), and the ops
-    recorded on each stage's deferred output, those of its own output hooks included, are
-    replayed on every slice. Forwards that wrap a stage's (accelerate's device hooks) are part of
-    that forward, and run for every slice."""
+    recorded on lm_head's deferred output, those of its own output hooks included, are replayed
+    on every slice. The final norm is a stage only where it has no hooks (`LossSlot.deferring`):
+    what a hook does to its output is not recorded. Forwards that wrap a stage's (accelerate's
+    device hooks) are part of that forward, and run for every slice."""
 
     hidden: torch.Tensor
     stages: tuple[_Stage, ...]
@@ -247,10 +251,7 @@ class _Source:
     def inside_a_call(self, work, hidden: torch.Tensor | None = None):
         """`work()`, run inside one call of each stage's module, given the whole hidden states
         (`hidden`, or the source's own)."""
-        hidden = self.hidden if hidden is None else hidden
-        done: list = []
-        _drive(self, 0, work, hidden, done)
-        return done[0]
+        return _drive(self, 0, work, self.hidden if hidden is None else hidden)
 
     def logits(self, ops: tuple) -> torch.Tensor:
         """The last stage's whole output, after `ops`."""
@@ -267,29 +268,18 @@ class _Source:
         )
 
 
-def _drive(source: _Source, index: int, work, hidden: torch.Tensor, done: list) -> None:
-    """Stage `index`'s module called on `hidden`, its forward standing in for the call by the next
-    stage's drive; past the last stage, `work()` into `done`. A module-level function, not a
-    recursive closure: that is a reference cycle, which keeps `hidden`, `work` and what it returned
-    (in backward, the whole sequence's gradient) alive until the garbage collector runs."""
+def _drive(source: _Source, index: int, work, hidden: torch.Tensor):
+    """Stage `index`'s module called on `hidden`, the next stage's drive standing in for its
+    forward; past the last stage, `work()`. The hooks see deferred logits that hold nothing."""
     if index == len(source.stages):
-        done.append(work())
-        return
-    module = source.stages[index].module
-
-    def driving(*args, **kwargs):
-        _drive(source, index + 1, work, hidden, done)
-        return DeferredLogits(source.like, source)  # for the module's output hooks: holds nothing
-
-    previous = module.__dict__.get("forward")
-    module.forward = driving
-    try:
-        module(hidden)
-    finally:
-        if previous is None:
-            module.__dict__.pop("forward", None)
-        else:
-            module.forward = previous
+        return work()
+    return inside_one_call(
+        source.stages[index].module,
+        functools.partial(_drive, source, index + 1, work, hidden),
+        (hidden,),
+        {},
+        DeferredLogits(source.like, source),
+    )
 
 
 def _end_of_head_call(module: nn.Module, args, output) -> None:
@@ -368,9 +358,11 @@ class LossSlot:
         self.final_norm = final_norm  # run slice by slice with lm_head (None: not found, or not asked for)
         self.active = True  # False: disabled while another wrapper still holds ours (a pass-through)
         self._warned: set[str] = set()
+        self.backbone_hook = None  # the backbone's pre-hook that notices TRL's fused head
 
     def __getstate__(self) -> dict:
-        # A pickled or deep-copied model says its notices again.
+        # A pickled or deep-copied model says its notices again (and its copied backbone carries
+        # the copy's own hook).
         return {**self.__dict__, "_warned": set()}
 
     def tile_for(self, model: nn.Module) -> int:
@@ -398,16 +390,20 @@ class LossSlot:
         function computes the tiled loss. All are put back afterwards, whatever happens.
 
         The final norm itself runs as written (some models call it elsewhere too, before or
-        between their layers): its last output, if lm_head takes it, is used no further, so its
-        whole-sequence graph and float32 work are freed with the forward's locals."""
+        between their layers; tiled, a slice at a time): its last output, if lm_head takes it, is
+        used no further, so its graph is freed with the forward's locals. A norm with hooks of
+        its own is not chained: its hooks see, and may change, its output on the whole sequence,
+        which the slices computed from its input would not replay (it runs tiled on its own)."""
         head, norm, slot = model.get_output_embeddings(), self.final_norm, self
+        if norm is not None and _has_hooks(norm):
+            norm = None
         missing = object()
         previous_loss = model.__dict__.get("_loss_function", missing)
         head_forward = _own_forward(head)
         last_norm_call: list = []  # (input, output, the forward it ran, its targets) of the norm's last call
 
         def norm_called(module, args, kwargs):
-            last_norm_call[:] = [args[0] if len(args) == 1 and not kwargs else None, None, _own_forward(module),
+            last_norm_call[:] = [args[0] if len(args) == 1 and not kwargs else None, None, _untiled_forward(module),
                                  Targets.of(module)]  # fmt: skip
 
         def norm_returned(module, args, kwargs, output):
@@ -476,6 +472,25 @@ def _same_data(tensor: torch.Tensor, other) -> bool:
         and tensor.dtype == other.dtype
         and tensor.data_ptr() == other.data_ptr()
     )
+
+
+def _has_hooks(module: nn.Module) -> bool:
+    """Whether a call of `module` runs hooks (its own, or every module's) around its forward."""
+    from torch.nn.modules import module as torch_module
+
+    return bool(
+        module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks
+        or torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks
+        or torch_module._global_backward_hooks or torch_module._global_backward_pre_hooks
+    )  # fmt: skip
+
+
+def _untiled_forward(module: nn.Module):
+    """The forward a call of `module` runs now, less tiling's per-token wrapper where that is
+    outermost: a slice of the loss head is already a slice."""
+    if instance_forward.wraps(module, per_token.tiled_forward):
+        return module.__dict__[per_token.STATE_ATTR].forward_of(module)
+    return _own_forward(module)
 
 
 def _own_forward(module: nn.Module):
@@ -562,6 +577,8 @@ def tiled_loss_forward(self: nn.Module, *args, **kwargs):
     labels = kwargs.get("labels")
     if not slot.active or labels is None or not (self.training and torch.is_grad_enabled()):
         return forward(*args, **kwargs)
+    if kwargs.get("fused_lm_head"):  # TRL's fused head, put on after tiling: it never calls lm_head
+        return forward(*args, **kwargs)
     if torch.is_tensor(labels) and labels.shape[min(1, labels.dim() - 1)] <= slot.tile_for(self):
         return forward(*args, **kwargs)  # one slice: tiling would recompute the head and save nothing
     from transformers.loss.loss_utils import ForCausalLMLoss
@@ -587,14 +604,31 @@ def tiled_loss_forward(self: nn.Module, *args, **kwargs):
     return _without_deferred(output)
 
 
+def _notice_a_foreign_head(slot: LossSlot, backbone: nn.Module, args) -> None:
+    """The backbone's forward pre-hook: TRL's trainers call the backbone from their fused LM head
+    (`add_fused_lm_head`), past the model's forward and so past the tiled loss; say so, once."""
+    if "trl_fused_head" in slot._warned or not (slot.active and backbone.training and torch.is_grad_enabled()):
+        return
+    if in_trl_fused_head():
+        slot.warn_once("trl_fused_head", fused_head_notice(slot.model_name))
+
+
 def install(model: nn.Module, tile_tokens: int | None, final_norm: nn.Module | None = None) -> None:
     name = type(model).__name__
     instance_forward.install(
         model, tiled_loss_forward, LOSS_STATE_ATTR, lambda previous: LossSlot(tile_tokens, previous, name, final_norm)
     )
+    backbone = getattr(model, "base_model", None)
+    if isinstance(backbone, nn.Module) and backbone is not model:
+        slot = model.__dict__[LOSS_STATE_ATTR]
+        slot.backbone_hook = backbone.register_forward_pre_hook(functools.partial(_notice_a_foreign_head, slot))
 
 
 def uninstall(model: nn.Module) -> None:
+    slot: LossSlot | None = model.__dict__.get(LOSS_STATE_ATTR)
+    if slot is not None and slot.backbone_hook is not None:
+        slot.backbone_hook.remove()
+        slot.backbone_hook = None
     instance_forward.remove(model, tiled_loss_forward, LOSS_STATE_ATTR)
 
 

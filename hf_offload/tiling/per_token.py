@@ -30,7 +30,7 @@ from torch import nn
 
 from .. import instance_forward
 from ..integrations.transformers_outputs import active_collector, collecting
-from .gradients import Targets, backward_by_slices, refuse_double_backward
+from .gradients import Targets, backward_by_slices, inside_one_call, refuse_double_backward
 from .replay import Replay
 
 logger = logging.getLogger("hf_offload")
@@ -136,6 +136,16 @@ class _Signature:
         piece = hidden[:, start:stop]
         return piece.clone() if self.changes_its_input else piece.contiguous()
 
+    def stand_in(self, batch: int, length: int, device: torch.device):
+        """The module's output as its hooks see it around the slices' backward: its structure,
+        shapes and dtypes, each tensor over one element of memory."""
+        main = len(self.structure.tensor_positions)
+        tensors = []
+        for layout, (rest, dtype) in list(zip(self.layouts, self.per_token, strict=True))[:main]:
+            shape = (batch, length, *rest) if layout == _SEQ else (batch * length, *rest)
+            tensors.append(torch.empty((1,) * len(shape), dtype=dtype, device=device).expand(shape))
+        return self.structure.rebuild(tensors)
+
     def allocate(self, batch: int, length: int, device: torch.device) -> list[torch.Tensor]:
         tensors = []
         for layout, (rest, dtype) in zip(self.layouts, self.per_token, strict=True):
@@ -184,9 +194,7 @@ class _TiledMLP(torch.autograd.Function):
         def recompute(index: int, leaf: torch.Tensor):
             start, stop = run.bounds[index]
             with collecting(keys) as records:
-                # Through the module's call (its hooks run); a slice is no longer than a tile, so
-                # tiling passes it through to the module's own forward.
-                output = run.module(signature.slice_of(leaf, 0, stop - start), *rest, **kwargs)
+                output = run.forward_slice(signature.slice_of(leaf, 0, stop - start))
             tensors = signature.structure.tensors(output)
             tensors += [records[key][position] for key, position in signature.recorded]
             return [
@@ -195,8 +203,17 @@ class _TiledMLP(torch.autograd.Function):
                 if grad is not None
             ]
 
-        grad_x, sums = backward_by_slices(
-            x, run.bounds, ctx.needs_input_grad[1], run.targets, run.replay.replaying, recompute
+        # The slices inside one call of the module, as in forward: its hooks run once per backward,
+        # not once per slice (ZeRO-3 gathers its weight once), and one that changes its output
+        # does not change the gradient (a slice's recompute is its forward alone).
+        grad_x, sums = inside_one_call(
+            run.module,
+            lambda: backward_by_slices(
+                x, run.bounds, ctx.needs_input_grad[1], run.targets, run.replay.replaying, recompute
+            ),
+            (x, *rest),
+            kwargs,
+            signature.stand_in(run.batch, x.shape[1], x.device),
         )
         return (None, grad_x, *sums)
 
