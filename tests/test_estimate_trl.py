@@ -30,6 +30,8 @@ def restore_logging():
          "argument --num-generations: 4 is for --trainer grpo, not --trainer dpo"),
         (["--trainer", "sft", "--beta", "0.1"], "argument --beta: 0.1 is for --trainer grpo, not --trainer sft"),
         (["--trainer", "grpo", "--beta", "-1"], "beta must be a finite number >= 0, got '-1'"),
+        (["--trainer", "dpo", "--no-old-log-probs"],
+         "argument --no-old-log-probs: is for --trainer grpo, not --trainer dpo"),
         (["--trainer", "grpo", "--num-generations", "0"], "num-generations"),
         (["--trainer", "sft", "--liger"], "argument --trainer: sft: TRL's trainers refuse Liger's fused cross-entropy"),
         (["--trainer", "dpo", "--modes", "checkpointing+liger"], "refuse Liger's fused cross-entropy"),
@@ -69,7 +71,7 @@ def test_grpo_answers_the_longest_completion_first_and_says_generation_is_not_si
     out = capsys.readouterr().out
     answer = out.index("Longest completion in 128.0 MiB")
     assert answer < out.index("peak at")
-    assert "TRL's GRPOTrainer step (2 generations after a 128-token prompt, beta 0.04" in out
+    assert "TRL's GRPOTrainer step (2 generations after a 128-token prompt, beta 0.04, old log-probs" in out
     assert estimate_module.GENERATION_NOT_SIMULATED in out[answer : out.index("peak at")]
     assert "batch 1 x 512-token completions" in out
     assert main(["estimate", *args, "--json"]) == 0
@@ -77,6 +79,7 @@ def test_grpo_answers_the_longest_completion_first_and_says_generation_is_not_si
     trl = result["setup"]["trl"]
     assert trl["trainer"] == "grpo" and trl["num_generations"] == 2 and trl["prompt_length"] == 128
     assert trl["beta"] == 0.04 and trl["length_is"] == "completion" and "not simulated" in trl["generation"]
+    assert trl["old_log_probs"] is True
     assert result["modes"]["checkpointing"]["seq_len"] == 512
     assert result["longest"]["max_seq_len"] >= 512
 

@@ -200,3 +200,17 @@ def test_the_step_tells_the_stand_in_the_tokens_trl_scores(trainer):
         trl_module.trl_step(model, step, batch_size=2, seq_len=20, device="cpu", scoring=told)
     assert counts == true
     assert len(true) == {"sft": 1, "dpo": 2, "grpo": 3}[trainer]
+
+
+@pytest.mark.parametrize("old, beta, calls", [(True, 0.0, 2), (False, 0.04, 2), (False, 0.0, 1)])
+def test_grpo_runs_the_passes_its_config_asks_for(old, beta, calls):
+    """GRPO's no-grad passes: the old policy's when asked (vLLM's importance sampling), the
+    reference's when beta is above 0; the policy step always, and only it with grad."""
+    model = tiny_model(**CONFIG)
+    grads = []
+    model.register_forward_pre_hook(lambda module, args: grads.append(torch.is_grad_enabled()))
+    step = TrlStep("grpo", prompt_length=4, num_generations=2, grpo_beta=beta, old_log_probs=old)
+    with trl_module.fused_head_added(model, "grpo"):
+        loss = trl_module.trl_step(model, step, batch_size=1, seq_len=8, device="cpu")
+    loss.backward()
+    assert grads == [False] * (calls - 1) + [True]

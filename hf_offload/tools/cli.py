@@ -343,6 +343,11 @@ def _add_trl_arguments(estimate: argparse.ArgumentParser) -> None:
         help="grpo: the KL term's weight (GRPOConfig.beta; default 0, TRL's, which computes no reference "
         "log-probs; DeepSeek-R1's recipe used 0.001)",
     )  # fmt: skip
+    group.add_argument(
+        "--no-old-log-probs", action="store_true",
+        help="grpo: no old-policy pass (TRL computes one with vLLM's importance sampling correction, the default "
+        "with use_vllm, or when generation and optimizer steps are misaligned; otherwise it reuses the policy's)",
+    )  # fmt: skip
 
 
 def _trl_step(args: argparse.Namespace):
@@ -355,6 +360,7 @@ def _trl_step(args: argparse.Namespace):
         prompt_length=512 if args.prompt_length is None else args.prompt_length,
         num_generations=8 if args.num_generations is None else args.num_generations,
         grpo_beta=0.0 if args.beta is None else args.beta,
+        old_log_probs=not args.no_old_log_probs,
     )
 
 
@@ -367,10 +373,12 @@ def _check_trl_arguments(args: argparse.Namespace, parser: argparse.ArgumentPars
         ("--completion-length", args.completion_length, ("dpo", "grpo")),
         ("--num-generations", args.num_generations, ("grpo",)),
         ("--beta", args.beta, ("grpo",)),
+        ("--no-old-log-probs", args.no_old_log_probs or None, ("grpo",)),
     ):
         if value is not None and trainer not in trainers:
             given = "no --trainer" if trainer is None else f"--trainer {trainer}"
-            parser.error(f"argument {option}: {value:g} is for --trainer {' or '.join(trainers)}, not {given}")
+            shown = "" if value is True else f" {value:g}"
+            parser.error(f"argument {option}:{shown} is for --trainer {' or '.join(trainers)}, not {given}")
     if trainer is None:
         return
     if args.liger or any(parse_mode(mode).liger for mode in modes):

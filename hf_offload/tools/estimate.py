@@ -194,7 +194,7 @@ def trl_json(step) -> dict:
         item["prompt_length"] = step.prompt_length
         item["length_is"] = "completion"
     if step.trainer == "grpo":
-        item.update(num_generations=step.num_generations, beta=step.grpo_beta,
+        item.update(num_generations=step.num_generations, beta=step.grpo_beta, old_log_probs=step.old_log_probs,
                     generation="not simulated: " + GENERATION_NOT_SIMULATED)  # fmt: skip
     return item
 

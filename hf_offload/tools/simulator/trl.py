@@ -83,9 +83,10 @@ class TrlStep:
             return "TRL's SFTTrainer step"
         if self.trainer == "dpo":
             return f"TRL's DPOTrainer step (chosen and rejected rows after a {self.prompt_length}-token prompt)"
+        old = "old log-probs" if self.old_log_probs else "no old log-probs"
         return (
             f"TRL's GRPOTrainer step ({self.num_generations} generations after a {self.prompt_length}-token prompt, "
-            f"beta {self.grpo_beta:g}; generation itself not simulated)"
+            f"beta {self.grpo_beta:g}, {old}; generation itself not simulated)"
         )
 
 
