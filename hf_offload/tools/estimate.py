@@ -464,7 +464,7 @@ def _headline_lines(estimate: Estimate) -> list[str]:
     trl = "" if training.trl is None else f", {training.trl.describe()}"
     lines = [
         f"Longest {length_name(training)} in {size(request.memory_bytes)} ({where}), batch {training.batch_size} "
-        f"(simulated{trl}):"
+        f"(simulated){trl}:"
     ]
 
     ordered = sorted(estimate.modes, key=lambda entry: -(entry.longest.max_seq_len or 0))
@@ -487,7 +487,9 @@ def _headline_lines(estimate: Estimate) -> list[str]:
         model_type = getattr(request.config.get_text_config(), "model_type", "llama")
         steps = recipe(best.mode, model_type, request.training.tile_tokens)
         if steps:
-            lines.append(f"To train {best.longest.max_seq_len:,} tokens ({best.mode}), add after loading the model, "
+            amount = f"{best.longest.max_seq_len:,}" + (" tokens" if length_name(training) == "sequence" else
+                                                          "-token completions")  # fmt: skip
+            lines.append(f"To train {amount} ({best.mode}), add after loading the model, "
                          "with `import hf_offload`:")  # fmt: skip
             lines.extend(f"    {line}" for line in steps)
     return lines
