@@ -24,8 +24,8 @@ TILE = 64
 
 # (trainer, mode, LoRA rank, completion or sequence tokens, autocast)
 CPU_STEPS = {
-    "sft-full": ("sft", "none", None, 256, None),
-    "sft-lora-offloaded-checkpointing": ("sft", "checkpointing+hf_offload", 4, 256, None),
+    "sft-full": ("sft", "none", None, 128, None),
+    "sft-lora-offloaded-checkpointing": ("sft", "checkpointing+hf_offload", 4, 128, None),
     "sft-mixed-precision": ("sft", "checkpointing", 4, 128, torch.bfloat16),
     "dpo-lora-checkpointing": ("dpo", "checkpointing", 4, 96, None),
     "grpo-lora-tiled-with-reference": ("grpo", "none+tiled", 4, 192, None),
