@@ -22,9 +22,10 @@ def longest_context_pieces(
     *, heads: bool = True, final_norm: bool = True, embeddings: bool = True, late_prefetch: bool = True
 ) -> Iterator[None]:
     """Within this block (for models enabled in it), each piece of the longest-context recipe on
-    or off, to measure what each buys: attention tiled over heads, the final norm chained with
-    the tiled loss, layer 0 taking the frozen embeddings' output detoured, the layer before
-    coming back after the current layer's attention backward. Every piece is on by default."""
+    or off, to measure what each buys: attention tiled over heads, the final norm tiled (chained
+    with the tiled loss where lm_head takes its output; off, it runs whole), layer 0 taking the
+    frozen embeddings' output detoured, the layer before coming back after the current layer's
+    attention backward. Every piece is on by default."""
     from .engine import offloader
     from .tiling import attention, loss
 

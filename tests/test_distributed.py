@@ -219,6 +219,27 @@ def test_sequence_tiling_under_deepspeed_zero3(zero3):
         assert result["gathered_alive_plain"] == result["gathered_alive_offloaded"] == [0, 0]
 
 
+def test_zero3_hooks_of_a_tiled_module_run_once_per_pass(zero3):
+    """Under ZeRO-3 a tiled per-token module's slices run inside one call of it in forward and one
+    in backward, so its hooks (ZeRO-3's gather and release) run twice per step, not once per slice
+    in backward (before: 1 + 3 with 3 slices; 126 gathers per step in the layers, now 90). The
+    MLP's projections are called by its forward, once per slice each way; lm_head's calls are the
+    model's, the loss's forward and its backward. The final norm carries ZeRO-3's hooks, so it is
+    not chained into the loss head: it runs as a tiled module of its own."""
+    slices = 3
+    for result in zero3["zero3_tiling"]:
+        calls = result["calls_per_step"]
+        assert set(calls) == set(result["untiled_calls_per_step"])
+        assert set(result["untiled_calls_per_step"].values()) == {1}
+        for name, count in calls.items():
+            if ".mlp." in name:
+                assert count == 2 * slices, (name, count)
+            elif name == "lm_head":
+                assert count == 3
+            else:  # the layers' norms and attention projections, and the final norm
+                assert count == 2, (name, count)
+
+
 def test_deepspeed_zero3_gathered_weights_are_released(zero3):
     """Between forward and backward, as many gathered weights are alive as without offloading (none)."""
     for result in zero3["zero3"]:

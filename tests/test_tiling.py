@@ -662,6 +662,43 @@ def test_a_final_norm_with_hooks_is_not_chained_and_its_hooks_count():
     assert captured[0].untyped_storage().nbytes() == captured[0].nbytes
 
 
+def test_a_tiled_modules_hooks_run_once_in_forward_and_once_in_backward():
+    """A tiled module's slices run inside one call of it each way (ZeRO-3 gathers its weight once,
+    not once per slice): its hooks run twice per step whatever the number of slices (before, its
+    backward called it once per slice: 1 + 4 here); the MLP's projections, which its forward
+    calls, once per slice each way."""
+    model = build("llama")
+    hf_offload.enable_sequence_tiling(model, tile_tokens=TILE, loss=False)
+    layer = model.model.layers[0]
+    counts = {}
+    for name, module in (("norm", layer.input_layernorm), ("mlp", layer.mlp), ("gate", layer.mlp.gate_proj)):
+        module.register_forward_pre_hook(lambda module, args, name=name: counts.update({name: counts.get(name, 0) + 1}))
+    step(model)
+    assert counts == {"norm": 2, "mlp": 2, "gate": 2 * SEQ // TILE}
+
+
+def test_a_wrapper_of_a_tiled_modules_forward_runs_around_its_slices_each_way():
+    """accelerate's device hooks wrap a module's forward (add_hook_to_module, after tiling): the
+    backward's one call of the tiled module goes through them, as the forward's does, so a hook
+    that loads the weights before the forward runs before the backward's slices too (twice per
+    step; each slice in backward was a call of its own before: 1 + 4)."""
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    class Counting(ModelHook):
+        calls = 0
+
+        def pre_forward(self, module, *args, **kwargs):
+            Counting.calls += 1
+            return args, kwargs
+
+    plain = build("llama")
+    tiled = twin(plain)
+    hf_offload.enable_sequence_tiling(tiled, tile_tokens=TILE, loss=False)
+    add_hook_to_module(tiled.model.layers[0].mlp, Counting())
+    assert_close(step(plain), step(tiled), **FLOAT64)
+    assert Counting.calls == 2
+
+
 def _held_after_the_step(model) -> list[str]:
     """What of the final norm's whole input and of its gradient is still alive after a step and
     the output dropped, with the garbage collector off: what only a reference cycle keeps (on a

@@ -1,7 +1,7 @@
 """Backward of a tiled call: each slice recomputed by the module's forward, inside one call of the
-module (`inside_one_call`) so that its hooks run once around the slices as they do in forward
-(DeepSpeed ZeRO-3 gathering parameters, FSDP unsharding, a user's hooks; accelerate's device hooks
-wrap the forward and run with each slice), differentiated, and its gradients put where they belong.
+module so that its hooks run once around the slices as they do in forward (DeepSpeed ZeRO-3
+gathering parameters, FSDP unsharding, a user's hooks), differentiated, and its gradients put where
+they belong.
 
 Gradients of the tensors the computation uses besides its input arrive once per step, as without
 tiling. Two ways, by what the training setup listens to:

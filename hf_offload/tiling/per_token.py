@@ -1,5 +1,5 @@
-"""A per-token module (a decoder layer's MLP, its norms, its attention's projections), run one
-slice of the sequence at a time.
+"""A per-token module (a decoder layer's MLP, its norms, its attention's projections, the final
+norm), run one slice of the sequence at a time.
 
 The module is per token, so its output for a slice of tokens depends on those tokens only. In
 forward the slices run under no_grad and only the module's input is saved; in backward each
@@ -7,7 +7,8 @@ slice is recomputed with grad and differentiated with `torch.autograd.grad`, and
 gradients are summed over the slices and returned once. The intermediate activations of one
 slice exist at a time. (Returned once, not accumulated per slice into `.grad`: each parameter's
 AccumulateGrad runs once per step, as without tiling, so DDP's reducer and FSDP2's post-backward
-see one gradient, and hooks on gradients fire as they would.)
+see one gradient, and hooks on gradients fire as they would.) Either way the slices run inside
+one call of the module, so its hooks run once in forward and once in backward.
 
 It wraps the module's own current forward on the instance, so whatever the module is runs
 unchanged: transformers' gated MLP, one with LoRA or DoRA adapters, Liger's SwiGLU forward, an
@@ -55,6 +56,7 @@ class _Slot:
     untileable: str | None = None  # why it runs untiled, once found
     signatures: dict = field(default_factory=dict)  # what it returns, by the kind of input
     active: bool = True  # False: disabled while another wrapper still holds ours (a pass-through)
+    driving: object = None  # during a backward's one call of the module: what the call runs instead
 
     def forward_of(self, module: nn.Module):
         if self.previous_forward is not None:
@@ -63,7 +65,7 @@ class _Slot:
 
     def __getstate__(self) -> dict:
         # A pickled or deep-copied model learns again what its modules return.
-        return {**self.__dict__, "signatures": {}}
+        return {**self.__dict__, "signatures": {}, "driving": None}
 
 
 def _layout(tensor: torch.Tensor, batch: int, tokens: int) -> str:
@@ -206,8 +208,8 @@ class _TiledMLP(torch.autograd.Function):
         # The slices inside one call of the module, as in forward: its hooks run once per backward,
         # not once per slice (ZeRO-3 gathers its weight once), and one that changes its output
         # does not change the gradient (a slice's recompute is its forward alone).
-        grad_x, sums = inside_one_call(
-            run.module,
+        grad_x, sums = _inside_one_call(
+            run,
             lambda: backward_by_slices(
                 x, run.bounds, ctx.needs_input_grad[1], run.targets, run.replay.replaying, recompute
             ),
@@ -216,6 +218,27 @@ class _TiledMLP(torch.autograd.Function):
             signature.stand_in(run.batch, x.shape[1], x.device),
         )
         return (None, grad_x, *sums)
+
+
+def _inside_one_call(run: _Run, work, args: tuple, kwargs: dict, stand_in):
+    """`work()` inside one call of the tiled module, through every wrapper of its forward as in
+    forward (accelerate's device hooks load its weights once around the slices): tiling's own
+    forward runs `work` in place of the module's."""
+    slot: _Slot | None = run.module.__dict__.get(STATE_ATTR)
+    if slot is None:  # tiling was disabled since the forward
+        return inside_one_call(run.module, work, args, kwargs, stand_in)
+    done: list = []
+
+    def driving():
+        done.append(work())
+        return stand_in
+
+    slot.driving = driving
+    try:
+        run.module(*args, **kwargs)
+    finally:
+        slot.driving = None
+    return done.pop()
 
 
 @torch.compiler.disable(reason=UNDER_COMPILE)
@@ -231,6 +254,8 @@ def tiled_forward(self: nn.Module, *args, **kwargs):
     recompute, that input is the last tensor the layer saves, so PyTorch stops the recompute
     there and the slices are computed once in forward and once in backward, as without tiling."""
     slot: _Slot = self.__dict__[STATE_ATTR]
+    if slot.driving is not None:  # the backward's one call of the module: its slices run here
+        return slot.driving()
     own_forward = slot.forward_of(self)
     if not slot.active:
         return own_forward(*args, **kwargs)
