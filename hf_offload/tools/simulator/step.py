@@ -587,6 +587,7 @@ class Simulator:
             rank_tokens = -(-seq_len // training.sp_size)
             # The forward and the loss under autocast, the backward after it, as the Trainer runs them.
             autocast = training.autocast is not None
+            ids = None
             with torch.autocast("cpu", dtype=training.autocast or torch.bfloat16, enabled=autocast):
                 if training.trl is not None:
                     loss = trl_step(self.model, training.trl, batch_size=training.batch_size, seq_len=rank_tokens,
@@ -597,10 +598,10 @@ class Simulator:
                     if training.padded:
                         inputs["attention_mask"] = torch.ones_like(ids)
                     loss = self.model(**inputs).loss
-                    del inputs, ids
+                    del inputs
             attribution.enter_phase("backward", "loss")
             loss.backward()
-            del loss
+            del loss, ids
             if self.optimizer is not None:
                 attribution.enter_phase("optimizer", "")
                 self.optimizer.step()
