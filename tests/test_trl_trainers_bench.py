@@ -71,6 +71,46 @@ def test_trl_offloading_rows_run_where_trl_can(capsys, monkeypatch):
     assert len(created) == 2 and all(context.tensor_id > 0 for context in created), "TRL's offloading did not run"
 
 
+def test_tiling_stage_runs_both_trainers_tiled_beside_the_simulator(capsys, monkeypatch):
+    """--stage tiling, at a tiny size on the CPU: both trainers train with offloading and tiling
+    under TRL's fused head (tiling's wrappers ran in training), and each row shows the simulator's peak for the
+    same step, from a simulation of that trainer, batch and length."""
+    import hf_offload.tiling.per_token as per_token
+
+    asked, sliced = [], []
+    simulate = trl_trainers.simulated_peak
+
+    def recorded(trainer, setup, seq_len, options):
+        asked.append((trainer, setup, seq_len, options.generations, options.completion_length))
+        return simulate(trainer, setup, seq_len, options)
+
+    forward = per_token.tiled_forward
+
+    def counting(self, *args, **kwargs):
+        if args and isinstance(args[0], torch.Tensor) and args[0].shape[1] > 8 and torch.is_grad_enabled():
+            sliced.append(type(self).__name__)
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(trl_trainers, "simulated_peak", recorded)
+    monkeypatch.setattr(per_token, "tiled_forward", counting)
+    argv = [*SMOKE, "--stage", "tiling", "--seq-lens", "24", "--completion-length", "8"]
+    assert trl_trainers.main(argv) == 0
+    rows = table_rows(capsys.readouterr().out)
+    assert set(rows) == {("sft", "hf_offload_tiled", 24), ("grpo", "hf_offload_tiled", 24)}
+    for row in rows.values():
+        assert row["status"] == "ok" and row["peak GiB"] == "-" and float(row["simulated GiB"]) > 0
+    assert asked == [("sft", "hf_offload_tiled", 24, 2, 8), ("grpo", "hf_offload_tiled", 24, 2, 8)]
+    assert sliced
+
+
+def test_tiling_stage_defaults_on_a_gpu():
+    args = trl_trainers.parse_args(["--stage", "tiling"])
+    assert args.lengths == {"sft": [65536, 131072], "grpo": [512 + 4096]}
+    assert args.setups == ["hf_offload_tiled"] and args.steps == 2 and args.simulate
+    plain = trl_trainers.parse_args([])
+    assert "hf_offload_tiled" not in plain.setups and not plain.simulate
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
 def test_without_cuda_it_says_so_and_exits_2(capsys):
     assert trl_trainers.main([]) == 2

@@ -203,6 +203,7 @@ def _add_estimate_command(commands: argparse._SubParsersAction) -> None:
         help="adapter dtype (default fp32: PEFT casts adapters to fp32 unless autocast_adapter_dtype=False)",
     )
     _add_four_bit_arguments(estimate)
+    _add_trl_arguments(estimate)
     estimate.add_argument("--keep-last-layers", type=_int_at_least(0, "keep-last-layers"), default=1)
     estimate.add_argument("--prefetch-layers", type=_int_at_least(0, "prefetch-layers"), default=1)
     estimate.add_argument(
@@ -318,6 +319,88 @@ def _add_four_bit_arguments(estimate: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+def _add_trl_arguments(estimate: argparse.ArgumentParser) -> None:
+    """A TRL trainer's step; the GRPO options are GRPOConfig's fields of the same names."""
+    group = estimate.add_argument_group("TRL's trainers (TRL 1.16's step: its fused loss head, not the model's)")
+    group.add_argument(
+        "--trainer", choices=("sft", "dpo", "grpo"), default=None,
+        help="simulate this TRL trainer's step: SFTTrainer's, DPOTrainer's (chosen and rejected rows, the reference "
+        "pass under no_grad) or GRPOTrainer's (old and reference log-probs under no_grad, then the policy step; "
+        "generation with vLLM is not simulated). For dpo and grpo the length searched is the completion's",
+    )  # fmt: skip
+    group.add_argument(
+        "--prompt-length", type=_int_at_least(1, "prompt-length"), default=None, metavar="N",
+        help="dpo, grpo: prompt tokens before each completion (default 512)",
+    )  # fmt: skip
+    group.add_argument(
+        "--completion-length", type=_int_at_least(2, "completion-length"), default=None, metavar="N",
+        help="dpo, grpo: completion tokens (GRPOConfig.max_completion_length) where the step is shown (default: "
+        "--seq-len's value)",
+    )  # fmt: skip
+    group.add_argument(
+        "--num-generations", type=_int_at_least(1, "num-generations"), default=None, metavar="G",
+        help="grpo: completions per prompt, the rows of the generation batch this GPU holds (GRPOConfig."
+        "num_generations; default 8); --batch-size is per_device_train_batch_size, the rows of one policy step",
+    )  # fmt: skip
+    group.add_argument(
+        "--beta", type=_non_negative_float("beta"), default=None, metavar="B",
+        help="grpo: the KL term's weight (GRPOConfig.beta; default 0, TRL's, which computes no reference "
+        "log-probs; DeepSeek-R1's recipe used 0.001)",
+    )  # fmt: skip
+    group.add_argument(
+        "--no-old-log-probs", action="store_true",
+        help="grpo: no old-policy pass (TRL computes one with vLLM's importance sampling correction, the default "
+        "with use_vllm, or when generation and optimizer steps are misaligned; otherwise it reuses the policy's)",
+    )  # fmt: skip
+
+
+def _trl_step(args: argparse.Namespace):
+    from .simulator import TrlStep
+
+    if args.trainer is None:
+        return None
+    return TrlStep(
+        args.trainer,
+        prompt_length=512 if args.prompt_length is None else args.prompt_length,
+        num_generations=8 if args.num_generations is None else args.num_generations,
+        grpo_beta=0.0 if args.beta is None else args.beta,
+        old_log_probs=not args.no_old_log_probs,
+    )
+
+
+def _check_trl_arguments(args: argparse.Namespace, parser: argparse.ArgumentParser, modes: list[str]) -> None:
+    from .modes import parse_mode
+
+    trainer = args.trainer
+    for option, value, trainers in (
+        ("--prompt-length", args.prompt_length, ("dpo", "grpo")),
+        ("--completion-length", args.completion_length, ("dpo", "grpo")),
+        ("--num-generations", args.num_generations, ("grpo",)),
+        ("--beta", args.beta, ("grpo",)),
+        ("--no-old-log-probs", args.no_old_log_probs or None, ("grpo",)),
+    ):
+        if value is not None and trainer not in trainers:
+            given = "no --trainer" if trainer is None else f"--trainer {trainer}"
+            shown = "" if value is True else f" {value:g}"
+            parser.error(f"argument {option}:{shown} is for --trainer {' or '.join(trainers)}, not {given}")
+    if trainer is None:
+        return
+    if args.liger or any(parse_mode(mode).liger for mode in modes):
+        parser.error(
+            f"argument --trainer: {trainer}: TRL's trainers refuse Liger's fused cross-entropy (they run their own "
+            "fused head); drop --liger and the +liger modes"
+        )
+    for option, on in (("--sp", args.sp > 1), ("--padded", args.padded), ("--offload-params", args.offload_params)):
+        if on:
+            parser.error(f"argument --trainer: {trainer} with {option} is not simulated (drop {option})")
+    generations = 8 if args.num_generations is None else args.num_generations
+    if trainer == "grpo" and args.batch_size > generations:
+        parser.error(
+            f"argument --batch-size: {args.batch_size} rows per policy step is more than the {generations} "
+            "generations of the batch (--num-generations)"
+        )
+
+
 def _check_four_bit_arguments(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """An option of a 4-bit base without --load-in-4bit, or a 4-bit base without what it needs."""
     given = {
@@ -406,6 +489,7 @@ def _check_estimate_arguments(args: argparse.Namespace, parser: argparse.Argumen
             "or --device-memory"
         )
     modes = _estimate_modes(args)
+    _check_trl_arguments(args, parser, modes)
     if args.tile_tokens is not None and not any(parse_mode(mode).tiled for mode in modes):
         parser.error(f"argument --tile-tokens: {args.tile_tokens} tokens per slice needs --tile or a {TILED} mode")
     for mode in modes:
@@ -473,13 +557,15 @@ def _run_estimate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         sp_size=args.sp,
         offload_params=args.offload_params,
         four_bit=_four_bit(args),
+        trl=_trl_step(args),
     )
+    seq_len = args.seq_len if args.completion_length is None else args.completion_length
     request = Request(
         config=config,
         name=name,
         training=training,
         modes=modes,
-        seq_len=args.seq_len,
+        seq_len=seq_len,
         memory_bytes=memory,
         granularity=args.granularity,
         tflops=args.tflops,
@@ -500,7 +586,7 @@ def _run_estimate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     except RuntimeError as error:  # the model's own code refused the step (a shape it cannot take, say)
         first = str(error).strip().splitlines()[0] if str(error).strip() else ""
         failed = f"{type(error).__name__}: {first}"
-        parser.error(f"cannot simulate {name} at {args.seq_len} tokens: the model failed: {failed}")
+        parser.error(f"cannot simulate {name} at {seq_len} tokens: the model failed: {failed}")
     print(format_json(estimate) if args.json else format_estimate(estimate, device_given=args.device is not None))
     return 0
 
@@ -702,6 +788,20 @@ def _positive_float(name: str) -> Callable[[str], float]:
             raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
         if not value > 0:
             raise argparse.ArgumentTypeError(f"{name} must be > 0, got {value}")
+        return value
+
+    parse.__name__ = name
+    return parse
+
+
+def _non_negative_float(name: str) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number >= 0, got {text!r}") from None
+        if not value >= 0 or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"{name} must be a finite number >= 0, got {text!r}")
         return value
 
     parse.__name__ = name

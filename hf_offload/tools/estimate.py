@@ -167,6 +167,7 @@ class Estimate:
                 "sp_size": training.sp_size,
                 "offload_params": training.offload_params,
                 "four_bit": None if training.four_bit is None else four_bit_json(training.four_bit),
+                "trl": None if training.trl is None else trl_json(training.trl),
                 "simulated": True,
             },
             "modes": modes,
@@ -180,6 +181,24 @@ def four_bit_json(four_bit) -> dict:
         "bnb_4bit_compute_dtype": str(four_bit.bnb_4bit_compute_dtype).removeprefix("torch."),
         "prepare_model_for_kbit_training": four_bit.prepare_model_for_kbit_training,
     }
+
+
+def trl_json(step) -> dict:
+    """The TRL step's shape; for DPO and GRPO `seq_len` and `max_seq_len` count completion tokens."""
+    item = {"trainer": step.trainer, "trl_version": _trl_version()}
+    if step.trainer != "sft":
+        item["prompt_length"] = step.prompt_length
+        item["length_is"] = "completion"
+    if step.trainer == "grpo":
+        item.update(num_generations=step.num_generations, beta=step.grpo_beta, old_log_probs=step.old_log_probs,
+                    generation="not simulated: " + GENERATION_NOT_SIMULATED)  # fmt: skip
+    return item
+
+
+def _trl_version() -> str:
+    import trl
+
+    return trl.__version__
 
 
 def run_estimate(request: Request, *, echo=print, jobs: int | None = None) -> Estimate:
@@ -414,6 +433,18 @@ def recipe(mode: str, model_type: str = "llama", tile_tokens: int | None = None)
     return lines
 
 
+# One home for what the GRPO estimate leaves out.
+GENERATION_NOT_SIMULATED = (
+    "generation (vLLM, in server mode on other GPUs or colocated on this one) is outside the simulated step: "
+    "colocated, its weights and KV cache need room beside this peak"
+)
+
+
+def length_name(training: Training) -> str:
+    """What the searched length counts: a TRL DPO or GRPO step's completions, else whole sequences."""
+    return "completion" if training.trl is not None and training.trl.trainer != "sft" else "sequence"
+
+
 def longest_mode(estimate: Estimate) -> ModeEstimate | None:
     """The mode that trains the longest sequence (the first of equals), if any fits."""
     found = [entry for entry in estimate.modes if entry.longest is not None and entry.longest.max_seq_len]
@@ -425,9 +456,13 @@ def _headline_lines(estimate: Estimate) -> list[str]:
     request = estimate.request
     device = request.training.device
     where = device.name if request.memory_bytes == int(device.memory_gib * GIB) else "the device"
+    training = request.training
+    trl = "" if training.trl is None else f", {training.trl.describe()}"
     lines = [
-        f"Longest sequence in {size(request.memory_bytes)} ({where}), batch {request.training.batch_size} (simulated):"
+        f"Longest {length_name(training)} in {size(request.memory_bytes)} ({where}), batch {training.batch_size} "
+        f"(simulated){trl}:"
     ]
+
     ordered = sorted(estimate.modes, key=lambda entry: -(entry.longest.max_seq_len or 0))
     for entry in ordered:
         longest = entry.longest
@@ -440,13 +475,17 @@ def _headline_lines(estimate: Estimate) -> list[str]:
         if at.tiers is not None:
             host = f", {_tiers_needed(at, request)}"
         lines.append(f"  {entry.mode:<34}{value:>12} tokens  (peak {size(at.peak_bytes)}{host})")
+    if request.training.trl is not None and request.training.trl.trainer == "grpo":
+        lines.append(f"  {GENERATION_NOT_SIMULATED}")
     best = longest_mode(estimate)
     lines.extend(_host_lines(estimate, best))
     if best is not None:
         model_type = getattr(request.config.get_text_config(), "model_type", "llama")
         steps = recipe(best.mode, model_type, request.training.tile_tokens)
         if steps:
-            lines.append(f"To train {best.longest.max_seq_len:,} tokens ({best.mode}), add after loading the model, "
+            amount = f"{best.longest.max_seq_len:,}" + (" tokens" if length_name(training) == "sequence" else
+                                                          "-token completions")  # fmt: skip
+            lines.append(f"To train {amount} ({best.mode}), add after loading the model, "
                          "with `import hf_offload`:")  # fmt: skip
             lines.extend(f"    {line}" for line in steps)
     return lines
@@ -547,10 +586,16 @@ def _setup_line(request: Request) -> str:
         padded += f", one rank of {training.sp_size} under Ulysses sequence parallelism"
     if training.offload_params:
         padded += ", weights and optimizer on the host (ZeRO-3 offload)"
+    step, length = "the loss", f"{request.seq_len} tokens"
+    if training.trl is not None:
+        padded += f", {training.trl.describe()}"
+        step = "TRL's fused loss head"
+        if training.trl.trainer != "sft":
+            length = f"{request.seq_len}-token completions"
     return (
-        f"{request.name}: {tuning}, {dtype}, batch {training.batch_size} x {request.seq_len} tokens{padded}, "
+        f"{request.name}: {tuning}, {dtype}, batch {training.batch_size} x {length}{padded}, "
         f"{optimizer}, {host}{tiles}; simulated on the meta device (the real step, without data: transformers, PEFT, "
-        "checkpointing, hf_offload's engine, the loss)"
+        f"checkpointing, hf_offload's engine, {step})"
     )
 
 
@@ -735,7 +780,8 @@ def _longest_lines(estimate: Estimate) -> list[str]:
     request = estimate.request
     memory = request.memory_bytes
     lines = [
-        f"longest sequence in {size(memory)} (batch {request.training.batch_size}; bisection on multiples of "
+        f"longest {length_name(request.training)} in {size(memory)} (batch {request.training.batch_size}; bisection "
+        "on multiples of "
         f"{request.granularity} tokens, from a bracket predicted by two simulated lengths):",
         f"{'mode':<32}{'max seq':>9}{'MB/token':>10}{'peak GiB there':>16}{'host GiB there':>16}{'runs':>6}",
     ]

@@ -2,8 +2,19 @@
 and tokens/s.
 
     python -m hf_offload.tools.benchmarks.trl_trainers [--seq-lens 4096 16384] [--steps 3] [--trainers sft grpo]
-        [--setups neither trl_offload hf_offload] [--preset 1b] [--no-checkpointing] [--lora-rank R]
+        [--setups neither trl_offload hf_offload hf_offload_tiled] [--preset 1b] [--no-checkpointing] [--lora-rank R]
+        [--simulate]
+    python -m hf_offload.tools.benchmarks.trl_trainers --stage tiling   # long sequences, tiled, beside the simulator
     python -m hf_offload.tools.benchmarks.trl_trainers --device cpu   # smoke run: tiny preset, a few tokens
+
+`--stage tiling`: checkpointing + hf_offload + sequence tiling (`hf_offload_tiled`) where TRL's
+fused head computes the loss, SFT at 65,536 and 131,072 tokens and GRPO with 4,096-token
+completions after a 512-token prompt, 2 steps each, with `--simulate`: each row's peak beside the
+peak `hf-offload estimate --trainer` simulates for the same step (TRL's step on the meta device,
+the GPU's Triton head as a stand-in). The measured peak covers the whole run, GRPO's generation
+with `model.generate` included; the simulated one is the training step's (the GRPO runs here
+compute no old log-probabilities: without vLLM and with generation aligned to the optimizer
+steps TRL reuses the policy's).
 
 For each trainer and sequence length it trains a fresh random-weight Llama (the preset's shape,
 bf16, built directly on the device) for a few steps in three setups: neither offloading; TRL's
@@ -54,7 +65,12 @@ from hf_offload.tools import bench
 from hf_offload.tools.presets import PRESET_ALIASES, PRESET_CONFIGS, preset_config, preset_names
 
 TRAINERS = ("sft", "grpo")
-SETUPS = ("neither", "trl_offload", "hf_offload")
+SETUPS = ("neither", "trl_offload", "hf_offload", "hf_offload_tiled")
+# The setups the simulator runs (TRL's own offloading needs an accelerator: not simulated).
+SIMULATED_SETUPS = ("neither", "hf_offload", "hf_offload_tiled")
+# --stage tiling: the lengths and setup it runs unless given.
+TILING_STAGE = dict(setups=["hf_offload_tiled"], sft_seq_lens=[65536, 131072], completion_length=4096,
+                    prompt_length=512, steps=2)  # fmt: skip
 SPECIAL = ("<pad>", "<unk>", "<bos>", "<eos>")
 PAD, UNK, BOS, EOS = range(len(SPECIAL))
 
@@ -71,6 +87,7 @@ class Record:
     tokens_per_step: float | None = None
     tokens_per_second: float | None = None
     offloaded_bytes: int | None = None  # hf_offload's last step
+    simulated_peak_bytes: int | None = None  # the simulator's peak for the same step (--simulate)
     leftover_bytes: int | None = None  # device memory still allocated when the run began (an earlier run's leak)
 
 
@@ -271,10 +288,12 @@ def measure(trainer_name: str, setup: str, seq_len: int, tokenizer, options: Opt
     leftover = torch.cuda.memory_allocated() if cuda else None
     try:
         model = build_model(options)
-        if setup == "hf_offload":
+        if setup in ("hf_offload", "hf_offload_tiled"):
             # On the CPU the engine simulates a device, and moves every tensor however small.
             extra = dict(simulate_on_cpu=True, min_offload_bytes=0) if not cuda else {}
             model.enable_activation_offloading(**extra)
+        if setup == "hf_offload_tiled":
+            model.enable_sequence_tiling()
         with tempfile.TemporaryDirectory() as output_dir:
             trainer = make_trainer(trainer_name, setup, seq_len, model, tokenizer, output_dir, options)
             timer = StepTimer(synchronize)
@@ -293,7 +312,7 @@ def measure(trainer_name: str, setup: str, seq_len: int, tokenizer, options: Opt
         fastest = timer.steps.index(min(timed), 1 if len(timer.steps) > 1 else 0)
         seconds = timer.steps[fastest]
         offloaded = None
-        if setup == "hf_offload":
+        if setup in ("hf_offload", "hf_offload_tiled"):
             offloaded = hf_offload.activation_offloading_stats(trainer.model).offloaded_bytes
         return Record(
             trainer=trainer_name,
@@ -315,7 +334,39 @@ def measure(trainer_name: str, setup: str, seq_len: int, tokenizer, options: Opt
             torch.cuda.empty_cache()
 
 
-def run_all(trainers, setups, seq_lens, options: Options, report: Callable[[Record], None] = lambda record: None):
+def simulated_peak(trainer_name: str, setup: str, seq_len: int, options: Options) -> int | None:
+    """The peak `hf-offload estimate --trainer` simulates for this run's training step (batch, LoRA,
+    checkpointing, offloading, tiling, AdamW as the Trainer runs them; the device's cuBLAS
+    workspace), or None for a setup the simulator does not run."""
+    from hf_offload.tools.devices import DEVICES
+    from hf_offload.tools.simulator import Simulator, Training, TrlStep
+
+    if setup not in SIMULATED_SETUPS:
+        return None
+    parts = (["checkpointing"] if options.checkpointing else []) + (["hf_offload"] if setup != "neither" else [])
+    mode = "+".join(parts) or "none"
+    if setup == "hf_offload_tiled":
+        mode += "+tiled"
+    config = preset_config(options.preset)
+    config.update(dict(pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS))
+    config.update(dict(max_position_embeddings=options.max_positions))
+    if trainer_name == "sft":
+        step, batch, length = TrlStep("sft"), options.sft_batch_size, seq_len
+    else:
+        prompt = seq_len - options.completion_length
+        step = TrlStep("grpo", prompt_length=prompt, num_generations=options.generations, grpo_beta=0.0,
+                       old_log_probs=False)  # fmt: skip
+        batch, length = options.generations, options.completion_length
+    name = torch.cuda.get_device_name(options.device) if options.device.type == "cuda" else ""
+    device = next((DEVICES[key] for tag, key in (("H200", "h200"), ("H100", "h100-80gb"), ("A100", "a100-80gb"))
+                   if tag in name), DEVICES["h200"])  # fmt: skip
+    training = Training(dtype=torch.bfloat16, lora_rank=options.lora_rank or None, optimizer_states=2,
+                        batch_size=batch, device=device, trl=step)  # fmt: skip
+    return Simulator(config, training).run(mode, length).peak_bytes
+
+
+def run_all(trainers, setups, seq_lens, options: Options, report: Callable[[Record], None] = lambda record: None,
+            simulate: bool = False):  # fmt: skip
     tokenizer = offline_tokenizer(PRESET_CONFIGS[PRESET_ALIASES.get(options.preset, options.preset)]["vocab_size"])
     records = []
     for trainer_name in trainers:
@@ -332,6 +383,8 @@ def run_all(trainers, setups, seq_lens, options: Options, report: Callable[[Reco
                         stopped[setup] = "out of memory" if oom else "failed"
                         status = "oom" if oom else f"failed: {type(error).__name__}: {str(error)[:160]}"
                         record = Record(trainer_name, setup, seq_len, status)
+                if simulate and not record.status.startswith("skipped"):
+                    record.simulated_peak_bytes = simulated_peak(trainer_name, setup, seq_len, options)
                 records.append(record)
                 report(record)
     return records
@@ -346,9 +399,9 @@ def _ratio(value, base) -> str:
 def markdown_table(records: list[Record]) -> str:
     baseline = {(r.trainer, r.seq_len): r for r in records if r.setup == "neither" and r.status == "ok"}
     lines = [
-        "| trainer | setup | seq | peak GiB | peak vs neither | step ms | of it generate ms | tokens/step "
-        "| tokens/s | tokens/s vs neither | offloaded MiB | status |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| trainer | setup | seq | peak GiB | simulated GiB | peak vs neither | step ms | of it generate ms "
+        "| tokens/step | tokens/s | tokens/s vs neither | offloaded MiB | status |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def number(value, scale=1.0, digits=1) -> str:
@@ -358,6 +411,7 @@ def markdown_table(records: list[Record]) -> str:
         base = baseline.get((r.trainer, r.seq_len))
         lines.append(
             f"| {r.trainer} | {r.setup} | {r.seq_len} | {number(r.peak_device_bytes, 2**30, 2)} "
+            f"| {number(r.simulated_peak_bytes, 2**30, 2)} "
             f"| {_ratio(r.peak_device_bytes, base and base.peak_device_bytes)} "
             f"| {number(r.step_seconds, 1e-3)} | {number(r.generate_seconds, 1e-3)} "
             f"| {number(r.tokens_per_step, digits=0)} | {number(r.tokens_per_second, digits=0)} "
@@ -370,12 +424,22 @@ def markdown_table(records: list[Record]) -> str:
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a smoke run (default cuda)")
+    parser.add_argument(
+        "--stage", choices=("tiling",), default=None,
+        help="tiling: hf_offload_tiled, SFT at 65536 and 131072 tokens, GRPO with 4096-token completions after a "
+        "512-token prompt, 2 steps, --simulate (each unless given)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--simulate", action="store_true",
+        help="beside each measured peak, the simulator's for the same step (hf-offload estimate --trainer)",
+    )  # fmt: skip
     parser.add_argument("--seq-lens", type=int, nargs="+", help="tokens per sequence (default 4096 16384; cpu 32 48)")
     parser.add_argument("--steps", type=int, help="optimizer steps per run, the first one untimed (default 3; cpu 2)")
     parser.add_argument("--trainers", nargs="+", choices=TRAINERS, default=list(TRAINERS))
     parser.add_argument(
-        "--setups", nargs="+", choices=SETUPS, default=list(SETUPS), help="ratios need 'neither' (default: all three)"
-    )
+        "--setups", nargs="+", choices=SETUPS, default=None,
+        help="ratios need 'neither' (default: all but hf_offload_tiled; --stage tiling: hf_offload_tiled)",
+    )  # fmt: skip
     parser.add_argument("--preset", choices=preset_names(), help="Llama shape (default 1b; cpu tiny)")
     parser.add_argument("--no-checkpointing", action="store_true", help="turn gradient checkpointing off in all setups")
     parser.add_argument("--lora-rank", type=int, default=0, help="train a LoRA adapter of this rank (default 0: full)")
@@ -385,7 +449,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     cpu = args.device == "cpu"
     defaults = dict(seq_lens=[32, 48], steps=2, preset="tiny", completion_length=4) if cpu else {}
-    defaults = {**dict(seq_lens=[4096, 16384], steps=3, preset="1b", completion_length=32), **defaults}
+    stage = {}
+    if args.stage == "tiling":
+        args.simulate = True
+        stage = dict(setups=TILING_STAGE["setups"], steps=TILING_STAGE["steps"])
+        if not cpu:
+            stage.update(completion_length=TILING_STAGE["completion_length"])
+    defaults = {**dict(seq_lens=[4096, 16384], steps=3, preset="1b", completion_length=32,
+                       setups=[s for s in SETUPS if s != "hf_offload_tiled"]), **stage, **defaults}  # fmt: skip
+    # The tiling stage's lengths per trainer: SFT's long sequences, GRPO's prompt + completion.
+    args.lengths = None
+    if args.stage == "tiling" and args.seq_lens is None and not cpu:
+        grpo = TILING_STAGE["prompt_length"] + (args.completion_length or TILING_STAGE["completion_length"])
+        args.lengths = {"sft": TILING_STAGE["sft_seq_lens"], "grpo": [grpo]}
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -396,7 +472,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         (args.sft_batch_size >= 1, f"--sft-batch-size must be at least 1, got {args.sft_batch_size}"),
         (args.lora_rank >= 0, f"--lora-rank must be 0 (full fine-tuning) or more, got {args.lora_rank}"),
     ]
-    too_short = [n for n in args.seq_lens if n <= args.completion_length]
+    if args.lengths is None:
+        args.lengths = {trainer: args.seq_lens for trainer in args.trainers}
+    too_short = [n for n in args.lengths.get("grpo", []) if n <= args.completion_length]
     checks.append(
         (
             not too_short or "grpo" not in args.trainers,
@@ -438,7 +516,7 @@ def main(argv=None) -> int:
         sft_batch_size=args.sft_batch_size,
         generations=args.generations,
         completion_length=args.completion_length,
-        max_positions=max(args.seq_lens),
+        max_positions=max(n for lengths in args.lengths.values() for n in lengths),
     )
     import trl
 
@@ -484,7 +562,10 @@ def main(argv=None) -> int:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            records = run_all(args.trainers, args.setups, args.seq_lens, options, report)
+            records = []
+            for trainer_name in args.trainers:
+                records += run_all([trainer_name], args.setups, args.lengths[trainer_name], options, report,
+                                   simulate=args.simulate)  # fmt: skip
     finally:
         torch.set_num_threads(threads)
         transformers_logging.set_verbosity(verbosity)

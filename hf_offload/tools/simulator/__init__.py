@@ -3,5 +3,17 @@ without memory or compute."""
 
 from .step import NOT_SIMULATED, Part, Simulator, StepResult, Training, composition
 from .tracker import MemoryTracker, Peak
+from .trl import TRAINERS, TrlStep
 
-__all__ = ["NOT_SIMULATED", "MemoryTracker", "Part", "Peak", "Simulator", "StepResult", "Training", "composition"]
+__all__ = [
+    "NOT_SIMULATED",
+    "TRAINERS",
+    "MemoryTracker",
+    "Part",
+    "Peak",
+    "Simulator",
+    "StepResult",
+    "Training",
+    "TrlStep",
+    "composition",
+]

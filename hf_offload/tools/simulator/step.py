@@ -49,6 +49,7 @@ from .stand_ins import (
     simulated_ulysses,
 )
 from .tracker import MemoryTracker, Peak
+from .trl import TrlStep, fused_head_added, fused_head_as_on_cuda, trl_step
 
 # Modes whose offloading is not hf_offload's: they need pinned memory or an accelerator.
 NOT_SIMULATED = NEEDS_ACCELERATOR
@@ -97,6 +98,9 @@ class Training:
     # A base loaded in 4 bits by bitsandbytes (QLoRA's), as BitsAndBytesConfig(load_in_4bit=True, ...)
     # says (`four_bit.py`); None: the weights in `dtype`.
     four_bit: FourBit | None = None
+    # A TRL trainer's step (`trl.py`): its fused loss head, DPO's reference pass, GRPO's old and
+    # reference log-probabilities; None: the model's own forward and loss.
+    trl: TrlStep | None = None
 
     def __post_init__(self) -> None:
         if self.optimizer_states not in (0, 2):
@@ -123,6 +127,11 @@ class Training:
             raise ValueError("a 4-bit base is trained through adapters: give lora_rank with four_bit")
         if self.four_bit is not None and self.offload_params:
             raise ValueError("a 4-bit base with offload_params is not simulated: drop four_bit or offload_params")
+        if self.trl is not None:
+            not_simulated = [name for name, on in (("sp_size > 1", self.sp_size > 1), ("padded", self.padded),
+                             ("offload_params", self.offload_params)) if on]  # fmt: skip
+            if not_simulated:
+                raise ValueError(f"a TRL step with {', '.join(not_simulated)} is not simulated")
         if self.host_memory_bytes is not None and self.host_memory_bytes <= 0:
             raise ValueError(f"host_memory_bytes must be > 0 or None, got {self.host_memory_bytes}")
         if self.disk_memory_bytes is not None:
@@ -425,6 +434,7 @@ class Simulator:
         self.traffic = UlyssesTraffic(training.sp_size)
         self.replay = replay
         self.memo: SliceMemo | None = None  # the last tiled run's, for its counts
+        self.scoring = None  # with a TRL step: what its fused head scores, told per call
         self.tracker = MemoryTracker()
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=training.dtype)
@@ -483,6 +493,8 @@ class Simulator:
             raise ValueError(f"mode {parsed.name!r} cannot be simulated: {NOT_SIMULATED[parsed.base]}")
         if seq_len < 2:
             raise ValueError(f"seq_len must be >= 2 (a causal LM predicts each token from those before), got {seq_len}")
+        if parsed.liger and self.training.trl is not None:
+            raise ValueError(f"mode {parsed.name!r}: TRL's trainers refuse Liger's fused cross-entropy (theirs runs)")
         started = time.perf_counter()
         budgeted = parsed.hf_offload and (parsed.budget or self.training.device_budget_bytes is not None)
         with self._configured(parsed):
@@ -541,6 +553,10 @@ class Simulator:
                 stack.enter_context(autocast_as_on_cuda(tracker.in_the_step))
             if training.four_bit is not None:
                 stack.enter_context(dequantizing_gemm())
+            if training.trl is not None:
+                # After tiling and offloading, as a TRL trainer adds its head to the model it is given.
+                stack.enter_context(fused_head_added(base, training.trl.trainer))
+                self.scoring = stack.enter_context(fused_head_as_on_cuda(training.trl.kernel))
             if training.sp_size > 1:
                 # After tiling's wrappers: Ulysses gathers the sequence, then attention tiled over heads runs.
                 implementation = base.config._attn_implementation or "sdpa"
@@ -569,15 +585,20 @@ class Simulator:
             attribution.enter_phase("forward", "inputs")
             # One rank's shard of the sequence (Ulysses pads the last to the same length).
             rank_tokens = -(-seq_len // training.sp_size)
-            ids = torch.zeros((training.batch_size, rank_tokens), dtype=torch.long, device="meta")
-            inputs = dict(input_ids=ids, labels=ids)
-            if training.padded:
-                inputs["attention_mask"] = torch.ones_like(ids)
             # The forward and the loss under autocast, the backward after it, as the Trainer runs them.
             autocast = training.autocast is not None
+            ids = None
             with torch.autocast("cpu", dtype=training.autocast or torch.bfloat16, enabled=autocast):
-                loss = self.model(**inputs).loss
-            del inputs
+                if training.trl is not None:
+                    loss = trl_step(self.model, training.trl, batch_size=training.batch_size, seq_len=rank_tokens,
+                                    device="meta", scoring=self.scoring)  # fmt: skip
+                else:
+                    ids = torch.zeros((training.batch_size, rank_tokens), dtype=torch.long, device="meta")
+                    inputs = dict(input_ids=ids, labels=ids)
+                    if training.padded:
+                        inputs["attention_mask"] = torch.ones_like(ids)
+                    loss = self.model(**inputs).loss
+                    del inputs
             attribution.enter_phase("backward", "loss")
             loss.backward()
             del loss, ids

@@ -49,6 +49,11 @@ _NO_TRAFFIC = frozenset(
 )  # fmt: skip  (allocations without writes, and metadata)
 MATMUL, ATTENTION = "matmul", "attention"
 _PYTHON_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.Python)
+# addmm with an accumulation dtype (cuBLAS's fp32 sums of half inputs: TRL's fused head) takes the
+# dtype as a fourth argument, which flop_counter's addmm formula reads as its output's shape.
+_ADDMM_WITH_DTYPE = frozenset(
+    op for op in (getattr(aten.addmm, name, None) for name in ("dtype", "dtype_out")) if op is not None
+)
 
 
 def flash_backward_workspace_bytes(query: torch.Tensor, key: torch.Tensor) -> int:
@@ -437,6 +442,9 @@ class MemoryTracker(TorchDispatchMode):
             # mm, the commonest by far, directly: flop_counter's formulas go through pytree per call.
             if is_mm:
                 (rows, inner), columns = args[0].shape, args[1].shape[1]
+                flops = 2 * rows * inner * columns
+            elif func in _ADDMM_WITH_DTYPE:
+                (rows, inner), columns = args[1].shape, args[2].shape[1]
                 flops = 2 * rows * inner * columns
             else:
                 flops = formula(*args, **kwargs, out_val=out)
