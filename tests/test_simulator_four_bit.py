@@ -7,6 +7,8 @@ import contextlib
 import logging
 import warnings
 
+# bitsandbytes is a test dependency (pyproject's test extras): its absence is a failure, not a skip.
+import bitsandbytes
 import pytest
 import torch
 from conftest import tiny_model
@@ -17,8 +19,6 @@ from hf_offload.tools.cli import main
 from hf_offload.tools.simulator import Simulator, Training
 from hf_offload.tools.simulator import step as step_module
 from hf_offload.tools.simulator.four_bit import FourBit, quantized_state_tensors
-
-bitsandbytes = pytest.importorskip("bitsandbytes")
 
 FP32, BF16 = torch.float32, torch.bfloat16
 
