@@ -184,7 +184,8 @@ class TilingOptions:
     """Options for sequence tiling. All are keyword-only in the public API.
 
     mlp: run each decoder layer's MLP one slice of the sequence at a time, saving only its input.
-    norms: the same for the layer's own norms (RMSNorm, LayerNorm), whose float32 upcasts and
+    norms: the same for the layer's own norms and its attention's (RMSNorm, LayerNorm; Qwen3's
+        q_norm and k_norm: docs/api.md), whose float32 upcasts and
         backward temporaries then exist for one slice; and the final norm (between the last layer
         and lm_head), which with `loss` runs slice by slice with lm_head where lm_head takes what
         it returned, and otherwise (TRL's fused head, Liger's fused cross-entropy, a loss of the

@@ -767,3 +767,57 @@ def test_only_a_mask_laid_out_by_heads_is_split_over_them():
     assert [tuple(part.shape) for part in parts] == [(2, 4, 3, 3)] * 2
     padding = torch.ones(2, 8)
     assert all(part is padding for part in _per_group(padding, _SCORES_HEADS, heads=8, groups=2))
+
+
+def _attention_norm_shapes(monkeypatch, model) -> list[tuple[int, ...]]:
+    """The input shapes of the first layer's q_norm (its class's forward), appended as it runs."""
+    norm, shapes = model.model.layers[0].self_attn.q_norm, []
+    original = type(norm).forward
+
+    def spying(self, x):
+        if self is norm:
+            shapes.append(tuple(x.shape))
+        return original(self, x)
+
+    monkeypatch.setattr(type(norm), "forward", spying)
+    return shapes
+
+
+def test_the_attentions_own_norms_run_a_slice_at_a_time(monkeypatch):
+    """Qwen3 normalises each head's queries and keys inside its attention, on (batch, tokens, heads,
+    head_dim): its q_norm and k_norm are tiled with the layer's norms, a slice at a time in forward
+    and in backward (recomputed), close to untiled in float64, their weights getting gradients."""
+    plain = build("qwen3")
+    tiled = twin(plain)
+    hf_offload.enable_sequence_tiling(tiled, tile_tokens=TILE)
+    attention = tiled.model.layers[0].self_attn
+    assert per_token.is_tiled(attention.q_norm) and per_token.is_tiled(attention.k_norm)
+    shapes = _attention_norm_shapes(monkeypatch, tiled)
+    expected, actual = step(plain), step(tiled)
+    assert_close(expected, actual, **FLOAT64)
+    assert {"model.layers.0.self_attn.q_norm.weight", "model.layers.1.self_attn.k_norm.weight"} <= actual[1].keys()
+    heads, head_dim = attention.config.num_attention_heads, attention.head_dim
+    assert shapes == [(2, TILE, heads, head_dim)] * (2 * SEQ // TILE)
+
+
+def _head_spanning_norm():
+    """A norm whose weight spans (heads, head_dim) of a (batch x tokens, heads, head_dim) input,
+    as Chameleon's q_norm: dim 1 is its heads, which it does not compute apart."""
+    norm = torch.nn.LayerNorm((8, 4), dtype=torch.float64)
+    torch.nn.init.normal_(norm.weight, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(6, 8, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    return norm, x, norm(x)
+
+
+def test_a_norm_whose_weight_spans_dim_1_runs_whole():
+    norm, x, expected = _head_spanning_norm()
+    per_token.install(norm, 2)  # fewer "tokens" per slice than its 8 heads
+    assert torch.equal(norm(x), expected)
+
+
+def test_sliced_along_dim_1_such_a_norm_would_fail(monkeypatch):
+    norm, x, _expected = _head_spanning_norm()
+    monkeypatch.setattr(per_token, "_sliceable_along_dim_1", lambda module, hidden: hidden.dim() >= 3)
+    per_token.install(norm, 2)
+    with pytest.raises(RuntimeError):
+        norm(x)

@@ -139,9 +139,13 @@ ATTENTION_NAMES = ("self_attn", "attention", "attn", "self_attention")
 
 
 def find_norms(layer: nn.Module) -> list[nn.Module]:
-    """A decoder layer's own normalisations (RMSNorm, LayerNorm: per token, over the hidden size),
-    by class: torch's, or a class whose name ends in Norm (LlamaRMSNorm, not RobertaPreLayerNormAttention)."""
-    return [module for module in innermost(layer)._modules.values() if module is not None and is_norm(module)]
+    """A decoder layer's normalisations (RMSNorm, LayerNorm: per token), by class: torch's, or a
+    class whose name ends in Norm (LlamaRMSNorm, not RobertaPreLayerNormAttention). Its own, and
+    its attention module's own (Qwen3's and Gemma3's q_norm and k_norm over each head, OLMo2's over
+    the projections, DeepSeek's q_a_layernorm): their float32 work is as large as the layer's."""
+    attention = find_attention(layer)
+    owners = [innermost(layer)] + ([innermost(attention)] if attention is not None else [])
+    return [module for owner in owners for module in owner._modules.values() if module is not None and is_norm(module)]
 
 
 def is_norm(module: nn.Module) -> bool:

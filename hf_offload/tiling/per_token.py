@@ -241,6 +241,21 @@ def _inside_one_call(run: _Run, work, args: tuple, kwargs: dict, stand_in):
     return done.pop()
 
 
+def _sliceable_along_dim_1(module: nn.Module, hidden: torch.Tensor) -> bool:
+    """Whether dim 1 of the input is one the module computes each index of on its own. An MLP: its
+    (batch, tokens, hidden) input alone. A norm over its last dimension(s), whatever comes before
+    them: Qwen3's q_norm on (batch, tokens, heads, head_dim) too, but not Chameleon's, whose
+    weight spans (heads, head_dim) of a (batch x tokens, heads, head_dim) input."""
+    from ..adapters.base import is_norm
+
+    if not is_norm(module):
+        return hidden.dim() == 3
+    shape = getattr(module, "normalized_shape", None)
+    weight = module._parameters.get("weight")
+    spans = len(shape) if isinstance(shape, (tuple, list)) else weight.dim() if weight is not None else 1
+    return hidden.dim() >= 3 and hidden.dim() - spans >= 2
+
+
 @torch.compiler.disable(reason=UNDER_COMPILE)
 def tiled_forward(self: nn.Module, *args, **kwargs):
     """The module's forward, one slice of the sequence at a time when it is training (`splits`:
@@ -261,7 +276,7 @@ def tiled_forward(self: nn.Module, *args, **kwargs):
     if (
         slot.untileable is not None
         or not isinstance(hidden, torch.Tensor)
-        or hidden.dim() != 3
+        or not _sliceable_along_dim_1(self, hidden)
         or hidden.shape[1] <= slot.tile_tokens
         or not splits(self)
     ):
