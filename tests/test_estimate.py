@@ -14,6 +14,19 @@ from hf_offload.tools.cli import main
 GIB = 2**30
 
 
+def simulate_once(monkeypatch) -> None:
+    """`estimate` simulates once and answers each later run with that result (the text and the
+    JSON of one simulation, without paying for it again)."""
+    simulate, once = estimate_module.run_estimate, []
+
+    def simulated_once(*args, **kwargs):
+        if not once:
+            once.append(simulate(*args, **kwargs))
+        return once[0]
+
+    monkeypatch.setattr(estimate_module, "run_estimate", simulated_once)
+
+
 @pytest.fixture
 def model_dir(tmp_path):
     """A local model directory with only a config.json: a tiny Llama with a vocabulary large
@@ -211,14 +224,7 @@ def test_with_a_device_the_answer_comes_first_with_its_recipe(model_dir, capsys,
     logits too: the tiled mode goes furthest.)"""
     args = ["--model", str(model_dir), "--device", "h100-80gb", "--device-memory", "0.5", "--seq-len", "512",
             "--granularity", "512", "--optimizer-states", "0", "--tile-tokens", "512", "--checkpointing"]  # fmt: skip
-    simulate, once = estimate_module.run_estimate, []
-
-    def simulated_once(*args, **kwargs):  # the text and the JSON of one simulation
-        if not once:
-            once.append(simulate(*args, **kwargs))
-        return once[0]
-
-    monkeypatch.setattr(estimate_module, "run_estimate", simulated_once)
+    simulate_once(monkeypatch)
     assert main(["estimate", *args]) == 0
     out = capsys.readouterr().out
     answer, details = out.index("Longest sequence in 512.0 MiB"), out.index("peak at")

@@ -6,6 +6,7 @@ import json
 import logging
 
 import pytest
+from test_estimate import simulate_once
 
 from hf_offload.tools import estimate as estimate_module
 from hf_offload.tools.cli import main
@@ -59,14 +60,7 @@ def test_grpo_answers_the_longest_completion_first_and_says_generation_is_not_si
     args = ["--preset", "tiny", "--lora-rank", "4", "--trainer", "grpo", "--prompt-length", "128",
             "--completion-length", "512", "--num-generations", "2", "--beta", "0.04", "--modes", "checkpointing",
             "--device-memory", "0.125", "--granularity", "256", "--optimizer-states", "0"]  # fmt: skip
-    simulate, once = estimate_module.run_estimate, []
-
-    def simulated_once(*args, **kwargs):
-        if not once:
-            once.append(simulate(*args, **kwargs))
-        return once[0]
-
-    monkeypatch.setattr(estimate_module, "run_estimate", simulated_once)
+    simulate_once(monkeypatch)
     assert main(["estimate", *args]) == 0
     out = capsys.readouterr().out
     answer = out.index("Longest completion in 128.0 MiB")
