@@ -3,21 +3,12 @@
 from __future__ import annotations
 
 import json
-import logging
 
 import pytest
-from test_estimate import simulate_once
+from test_estimate import restore_logging, simulate_once  # noqa: F401 (restore_logging: an autouse fixture)
 
 from hf_offload.tools import estimate as estimate_module
 from hf_offload.tools.cli import main
-
-
-@pytest.fixture(autouse=True)
-def restore_logging():
-    levels = {name: logging.getLogger(name).level for name in ("transformers", "hf_offload")}
-    yield
-    for name, level in levels.items():
-        logging.getLogger(name).setLevel(level)
 
 
 @pytest.mark.parametrize(
