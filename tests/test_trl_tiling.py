@@ -39,7 +39,9 @@ def tiled_twin(model):
     return tiled
 
 
-def assert_close_logs(actual: list[dict], reference: list[dict], rel: float = 1e-2) -> None:
+def assert_close_logs(actual: list[dict], reference: list[dict], rel: float = 2e-4) -> None:
+    # float32 sums taken in another order by the slices: grad_norm moves by about 3e-5 relative here
+    # (1e-5 fails on it), the losses by about 1e-7.
     assert [sorted(entry) for entry in actual] == [sorted(entry) for entry in reference]
     assert any("loss" in entry for entry in actual)
     for mine, theirs in zip(actual, reference, strict=True):
