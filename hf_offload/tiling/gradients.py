@@ -21,7 +21,8 @@ again, by name, when the backward runs.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -156,27 +157,40 @@ def backward_by_slices(
     return grad_x, sums
 
 
-def inside_one_call(module: nn.Module, work: Callable[[], object], args: tuple, kwargs: dict, stand_in: object):
+def inside_one_call(
+    module: nn.Module,
+    work: Callable[[], object],
+    args: tuple,
+    kwargs: dict,
+    stand_in: object,
+    replacing: Callable[[nn.Module, Callable], contextlib.AbstractContextManager] | None = None,
+):
     """`work()`, run inside one call of `module` on `args` and `kwargs`: its hooks run once around
     the whole of it (ZeRO-3 gathers its parameters and releases them after, FSDP unshards, a user's
     hook sees one call), and see `stand_in` as what the call returned (what they return is
-    dropped: `work` computes from the module's forward, which the hooks are not part of). Not a
-    closure over itself: a reference cycle would keep what `work` returned alive until the
-    garbage collector runs."""
+    dropped: `work` computes from the module's forward, which the hooks are not part of).
+    `replacing(module, driving)` puts `driving` in place of what the call runs, for the call's
+    time (default: the module's own forward). Not a closure over itself: a reference cycle would
+    keep what `work` returned alive until the garbage collector runs."""
     done: list = []
 
     def driving(*_args, **_kwargs):
         done.append(work())
         return stand_in
 
+    with (replacing or _forward_replaced)(module, driving):
+        module(*args, **kwargs)
+    return done.pop()
+
+
+@contextlib.contextmanager
+def _forward_replaced(module: nn.Module, driving: Callable) -> Iterator[None]:
     previous = module.__dict__.get("forward")
     module.forward = driving
     try:
-        module(*args, **kwargs)
+        yield
     finally:
         if previous is None:
             module.__dict__.pop("forward", None)
         else:
             module.forward = previous
-    return done.pop()
-

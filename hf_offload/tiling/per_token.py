@@ -21,9 +21,11 @@ load-balancing loss are as without tiling.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import types
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -225,20 +227,18 @@ def _inside_one_call(run: _Run, work, args: tuple, kwargs: dict, stand_in):
     forward (accelerate's device hooks load its weights once around the slices): tiling's own
     forward runs `work` in place of the module's."""
     slot: _Slot | None = run.module.__dict__.get(STATE_ATTR)
-    if slot is None:  # tiling was disabled since the forward
+    if slot is None:  # tiling was disabled since the forward: its own forward stands in
         return inside_one_call(run.module, work, args, kwargs, stand_in)
-    done: list = []
+    return inside_one_call(run.module, work, args, kwargs, stand_in, functools.partial(_driving_slot, slot))
 
-    def driving():
-        done.append(work())
-        return stand_in
 
+@contextlib.contextmanager
+def _driving_slot(slot: _Slot, module: nn.Module, driving) -> Iterator[None]:
     slot.driving = driving
     try:
-        run.module(*args, **kwargs)
+        yield
     finally:
         slot.driving = None
-    return done.pop()
 
 
 def _sliceable_along_dim_1(module: nn.Module, hidden: torch.Tensor) -> bool:
