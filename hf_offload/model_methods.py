@@ -22,15 +22,16 @@ from importlib.abc import Loader, MetaPathFinder
 
 MODULE = "transformers.modeling_utils"
 
-# The model's methods and properties, each the function of that name in its home module.
-METHODS = {
-    "enable_activation_offloading": "hf_offload.api",
-    "disable_activation_offloading": "hf_offload.api",
-    "activation_offloading_stats": "hf_offload.api",
-    "enable_sequence_tiling": "hf_offload.tiling",
-    "disable_sequence_tiling": "hf_offload.tiling",
-}
-PROPERTIES = {"is_activation_offloading": "hf_offload.api", "is_sequence_tiling": "hf_offload.tiling"}
+# The model's methods and properties: each hf_offload's public function of that name, found in its
+# home (the package's `_HOMES`) on first use.
+METHODS = (
+    "enable_activation_offloading",
+    "disable_activation_offloading",
+    "activation_offloading_stats",
+    "enable_sequence_tiling",
+    "disable_sequence_tiling",
+)
+PROPERTIES = ("is_activation_offloading", "is_sequence_tiling")
 
 
 class _ModelMethod:
@@ -38,11 +39,11 @@ class _ModelMethod:
     # own signature and docstring; `PreTrainedModel.NAME` is the function. A non-data descriptor, as
     # a function is: an instance may shadow it.
 
-    def __init__(self, name: str, home: str) -> None:
-        self.name, self.home = name, home
+    def __init__(self, name: str) -> None:
+        self.name = name
 
     def function(self):
-        return getattr(importlib.import_module(self.home), self.name)
+        return getattr(importlib.import_module("hf_offload"), self.name)
 
     def __get__(self, model, owner=None):
         return self.function() if model is None else types.MethodType(self.function(), model)
@@ -63,10 +64,10 @@ class _ModelProperty(_ModelMethod):
 
 
 def _add_methods(model_class: type) -> None:
-    for name, home in METHODS.items():
-        setattr(model_class, name, _ModelMethod(name, home))
-    for name, home in PROPERTIES.items():
-        setattr(model_class, name, _ModelProperty(name, home))
+    for name in METHODS:
+        setattr(model_class, name, _ModelMethod(name))
+    for name in PROPERTIES:
+        setattr(model_class, name, _ModelProperty(name))
 
 
 class _AddMethodsAfterExecution(Loader):
