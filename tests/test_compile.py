@@ -244,3 +244,18 @@ def test_enabling_on_compiled_layers_fails_loudly_or_works():
         return
     train_step(offloaded, batch())
     assert hf_offload.activation_offloading_stats(offloaded).offloaded_tensors > 0
+
+
+def test_the_trl_notice_does_not_break_a_compiled_backbones_graph():
+    """Tiling's loss head puts a pre-hook on the backbone that reads the call stack for TRL's fused
+    head (to say once that the loss head is TRL's). Compiled, the backbone's graph must not break
+    there: reading frames is untraceable, so the hook stands aside under compile (without that
+    guard dynamo breaks at `sys._getframe` on every call; checked)."""
+    model = tiny_model()
+    hf_offload.enable_sequence_tiling(model, tile_tokens=4)
+    model.model.compile(backend=BACKEND)
+    counters.clear()
+    model.model(input_ids=batch(seq=16)).last_hidden_state.sum().backward()
+    breaks = dict(counters["graph_break"])
+    assert breaks, "the tiled modules break the graph by design: the count must have been read"
+    assert not any("_getframe" in reason for reason in breaks), breaks

@@ -622,6 +622,8 @@ def _notice_a_foreign_head(slot: LossSlot, backbone: nn.Module, args) -> None:
     (`add_fused_lm_head`), past the model's forward and so past the tiled loss; say so, once."""
     if "trl_fused_head" in slot._warned or not (slot.active and backbone.training and torch.is_grad_enabled()):
         return
+    if torch.compiler.is_compiling():  # a compiled backbone: reading the call stack would break its graph
+        return
     if in_trl_fused_head():
         slot.warn_once("trl_fused_head", fused_head_notice(slot.model_name))
 
