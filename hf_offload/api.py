@@ -24,6 +24,7 @@ from .adapters import find_attention, innermost, is_linear_like, resolve_layers,
 from .compiling import under_torch_compile
 from .config import OffloadOptions, reject_positional
 from .engine import ActivationOffloader, OffloadStats, in_backward
+from .integrations.kernels import check_kernel_funcs
 from .integrations.liger import fused_linear_cross_entropy_in_use
 from .integrations.trl import TRL_OFFLOADING_WARNING, is_trl_hooks_module
 
@@ -583,6 +584,7 @@ def enable_activation_offloading(model: nn.Module, *positional: object, **option
         auto_budget.check_device_memory_readable()
     target = unwrap_model(model)
     _adapter, layers = resolve_layers(target)  # raises before anything is changed
+    check_kernel_funcs(target)
     controller: _Controller | None = target.__dict__.get(MODEL_STATE_ATTR)
     if controller is None:
         controller = _Controller(target, parsed)

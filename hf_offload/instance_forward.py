@@ -22,6 +22,8 @@ from collections.abc import Callable
 
 from torch import nn
 
+from .integrations.kernels import replaced_by_kernelize
+
 
 class InstanceForward:
     """`module.forward` while a wrapper is installed: a bound method in all but type.
@@ -135,11 +137,28 @@ def rebind(module: nn.Module, wrapper: Callable, state_attr: str) -> None:
     module.forward = InstanceForward(wrapper, module, state_attr)
 
 
+def reinstate(module: nn.Module, wrapper: Callable, state_attr: str) -> bool:
+    """Put `wrapper` back on top of a module whose forward was replaced without keeping ours under
+    the new one (kernels' `kernelize`, `integrations.kernels.replaced_by_kernelize`): ours then
+    wraps what replaced it. True when it did; False when ours is in place, or absent, or another
+    wrapper holds it."""
+    state = module.__dict__.get(state_attr)
+    if state is None or wraps(module, wrapper) or not replaced_by_kernelize(module):
+        return False
+    state.previous_forward = module.__dict__.get("forward")
+    rebind(module, wrapper, state_attr)
+    return True
+
+
 def remove(module: nn.Module, wrapper: Callable, state_attr: str) -> bool:
     """Put back what `wrapper` replaced and delete its state (True); with another wrapper on top
-    of ours, keep ours as a pass-through (`state.active = False`) and return False."""
+    of ours, keep ours as a pass-through (`state.active = False`) and return False. Where
+    kernelize replaced ours, its forward stays and our state goes."""
     state = module.__dict__.get(state_attr)
     if state is None:
+        return True
+    if replaced_by_kernelize(module):
+        delattr(module, state_attr)
         return True
     if not wraps(module, wrapper):
         state.active = False

@@ -12,7 +12,9 @@ attribute.
 
 from __future__ import annotations
 
+import functools
 import logging
+from dataclasses import dataclass
 
 from torch import nn
 
@@ -21,6 +23,7 @@ from ..adapters import (
     UnsupportedModelError,
     find_attention,
     find_final_norm,
+    find_layer_stack,
     find_norms,
     is_linear_like,
     resolve_layers,
@@ -28,12 +31,15 @@ from ..adapters import (
     unwrap_model,
 )
 from ..config import TilingOptions, reject_positional
+from ..integrations.kernels import check_kernel_funcs, is_kernel_layer
 from ..integrations.liger import fused_linear_cross_entropy_in_use
 from . import attention as attention_tiling
 from . import loss as loss_tiling
 from . import per_token
 
 logger = logging.getLogger("hf_offload")
+
+KERNELIZE_GUARD_ATTR = "_hf_offload_kernelize_guard"
 
 
 def enable_sequence_tiling(model: nn.Module, *positional: object, **options: object) -> None:
@@ -50,6 +56,7 @@ def enable_sequence_tiling(model: nn.Module, *positional: object, **options: obj
     target = unwrap_model(model)
     per_layer = parsed.mlp or parsed.norms or parsed.projections or parsed.attention
     _adapter, layers = resolve_layers(target) if per_layer else (None, [])  # raises, naming the class
+    check_kernel_funcs(target)
     mlps = resolve_mlps(target) if parsed.mlp else []
     head = target.get_output_embeddings() if parsed.loss and hasattr(target, "get_output_embeddings") else None
     disable_sequence_tiling(target)
@@ -118,8 +125,51 @@ def enable_sequence_tiling(model: nn.Module, *positional: object, **options: obj
             modules.setdefault(id(final_norm), final_norm)
     for module in modules.values():
         per_token.install(module, tile)
+    _guard_against_kernelize(target, layers, [module for module in modules.values() if is_kernel_layer(module)])
     if tiles_loss:
         loss_tiling.install(target, parsed.tile_tokens, final_norm)
+
+
+@dataclass
+class _KernelizeGuard:
+    """Where kernels' `kernelize` may take tiling's wrapper off modules it visits (norms, whose class
+    kernels decorated): transformers kernelizes again at every train() / eval() that changes the
+    mode, after tiling was enabled. At each call of the module holding the decoder layers, before any
+    of them runs, the wrapper goes back on top of whatever kernelize put there."""
+
+    modules: list[nn.Module]
+    model_name: str
+    handle: object = None
+    said: bool = False
+
+
+def _reinstate_tiling(guard: _KernelizeGuard, _owner: nn.Module, _args) -> None:
+    reinstated = [module for module in guard.modules if per_token.reinstate(module)]
+    if reinstated and not guard.said:
+        guard.said = True
+        logger.info(
+            "hf_offload: kernels' kernelize replaced the forward of %d tiled module(s) of %s (%s): sequence tiling "
+            "runs them a slice at a time again, through the forward it chose",
+            len(reinstated),
+            guard.model_name,
+            type(reinstated[0]).__name__,
+        )
+
+
+def _guard_against_kernelize(target: nn.Module, layers: list, kernel_layers: list[nn.Module]) -> None:
+    if not kernel_layers:
+        return
+    owner = (find_layer_stack(target, layers) if layers else None) or target
+    guard = _KernelizeGuard(kernel_layers, type(target).__name__)
+    guard.handle = owner.register_forward_pre_hook(functools.partial(_reinstate_tiling, guard))
+    setattr(owner, KERNELIZE_GUARD_ATTR, guard)
+
+
+def _remove_kernelize_guard(module: nn.Module) -> None:
+    guard = module.__dict__.get(KERNELIZE_GUARD_ATTR)
+    if guard is not None:
+        guard.handle.remove()
+        delattr(module, KERNELIZE_GUARD_ATTR)
 
 
 # A gated MLP's slice per token and unit of its width: bf16 intermediates and PEFT's float32 copies of
@@ -148,6 +198,7 @@ def disable_sequence_tiling(model: nn.Module) -> None:
     """Remove every wrapper, hook and attribute tiling added. A no-op if not enabled."""
     target = unwrap_model(model)
     for module in target.modules():
+        _remove_kernelize_guard(module)
         per_token.uninstall(module)
         attention_tiling.uninstall(module)
         loss_tiling.uninstall(module)
