@@ -343,6 +343,12 @@ def scenario_zero3(tiling: bool = False) -> dict:
     in backward. Besides parity, this records how many gathered weights are still alive between
     forward and backward: with nothing holding them, none."""
     import deepspeed
+
+    # The modeling module first, as from_pretrained and from_config resolve the class before entering
+    # zero.Init: one first imported inside zero.Init loses the __init__ kernels' use_kernelized_func
+    # gave its attention class (transformers >= 5.25) when zero.Init exits, and every model built
+    # after that fails at its first forward, with or without hf_offload (check_kernel_funcs says so).
+    import transformers.models.llama.modeling_llama  # noqa: F401
     from deepspeed.utils import safe_get_full_grad
     from torch.multiprocessing.reductions import StorageWeakRef
 
