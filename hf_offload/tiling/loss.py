@@ -35,7 +35,7 @@ from .. import auto_budget, instance_forward
 from ..compiling import under_torch_compile
 from ..integrations.trl import fused_head_notice, in_trl_fused_head
 from . import per_token
-from .gradients import Targets, backward_by_slices, inside_one_call, refuse_double_backward
+from .gradients import Targets, backward_by_slices, refuse_double_backward
 from .replay import Replay
 
 logger = logging.getLogger("hf_offload")
@@ -261,9 +261,12 @@ class _Source:
         return hidden
 
     def inside_a_call(self, work, hidden: torch.Tensor | None = None):
-        """`work()`, run inside one call of each stage's module, given the whole hidden states
-        (`hidden`, or the source's own)."""
-        return _drive(self, 0, work, self.hidden if hidden is None else hidden)
+        """`work()`, run inside one call of each stage's module on the whole hidden states (`hidden`,
+        or the source's own), the first stage's call outermost."""
+        hidden = self.hidden if hidden is None else hidden
+        for stage in reversed(self.stages):
+            work = functools.partial(_call_running, stage.module, work, hidden, DeferredLogits(self.like, self))
+        return work()
 
     def logits(self, ops: tuple) -> torch.Tensor:
         """The last stage's whole output, after `ops`."""
@@ -280,18 +283,28 @@ class _Source:
         )
 
 
-def _drive(source: _Source, index: int, work, hidden: torch.Tensor):
-    """Stage `index`'s module called on `hidden`, the next stage's drive standing in for its
-    forward; past the last stage, `work()`. The hooks see deferred logits that hold nothing."""
-    if index == len(source.stages):
-        return work()
-    return inside_one_call(
-        source.stages[index].module,
-        functools.partial(_drive, source, index + 1, work, hidden),
-        (hidden,),
-        {},
-        DeferredLogits(source.like, source),
-    )
+def _call_running(module: nn.Module, work, hidden: torch.Tensor, stand_in: DeferredLogits):
+    """What `work()` returns, run as the forward of one call of `module` on `hidden`: the module's
+    hooks run around it (ZeRO-3 gathers the weight, FSDP unshards it) and see `stand_in`, deferred
+    logits that hold nothing, as its output (what they return is dropped). A module-level function,
+    not a closure over itself: a reference cycle would keep what `work` returned alive until the
+    garbage collector runs."""
+    done: list = []
+
+    def forward(*_args, **_kwargs):
+        done.append(work())
+        return stand_in
+
+    previous = module.__dict__.get("forward")
+    module.forward = forward
+    try:
+        module(hidden)
+    finally:
+        if previous is None:
+            module.__dict__.pop("forward", None)
+        else:
+            module.forward = previous
+    return done.pop()
 
 
 def _end_of_head_call(module: nn.Module, args, output) -> None:
