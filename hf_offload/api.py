@@ -415,6 +415,14 @@ def _tokens(args: tuple, kwargs: dict) -> int | None:
     return None
 
 
+_EVAL_MODE_WITH_GRAD = (
+    "hf_offload: {model} ran a forward with grad in eval mode, where activation offloading does nothing "
+    "(transformers' checkpointing is off there too): its decoder layers kept their activations on the device. To "
+    "offload them, train in training mode (model.train()), with dropout turned off in the config if that is why the "
+    "model is in eval mode (attention_dropout=0.0, LoRA's lora_dropout=0.0)"
+)
+
+
 def _offloaded_forward(self: nn.Module, *args, **kwargs):
     # Bound to the layer by an InstanceForward, so that copy.deepcopy and pickling rebind it to the copy.
     slot: _LayerSlot = self._hf_offload_layer
@@ -432,6 +440,9 @@ def _offloaded_forward(self: nn.Module, *args, **kwargs):
         controller.paused = False
     # Evaluation, no_grad and generate(): the engine does nothing, so nothing of it runs.
     if not (self.training and torch.is_grad_enabled()):
+        if slot.position == 0 and torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
+            model = type(controller.model).__name__
+            controller.engine._warn_once("eval_mode", _EVAL_MODE_WITH_GRAD.format(model=model))
         return forward(*args, **kwargs)
     if slot.position == 0:
         if under_torch_compile():  # the first layer speaks for the pass

@@ -269,6 +269,51 @@ def test_a_users_embeddings_keep_their_gradient_while_another_thread_is_in_a_pas
     assert leaves == {"model's": False, threading.current_thread().name: True}
 
 
+# -- issue 37 item 4: a step with grad in eval mode runs whole, and says so ------------------------
+
+ONLY = dict(mlp=False, norms=False, projections=False, attention=False, loss=False)
+PARTS = {
+    "all": {},
+    "layers": dict(loss=False),
+    "attention": {**ONLY, "attention": True},
+    "loss": {**ONLY, "loss": True},
+}
+
+
+@pytest.mark.parametrize("parts", sorted(PARTS))
+def test_a_step_with_grad_in_eval_mode_runs_whole_and_says_so_once(parts, caplog, monkeypatch):
+    """A training step with grad in eval mode (to turn dropout off, say) is not tiled: in eval mode
+    neither splitting rule splits (a 4-bit layer reads an eval-mode call without grad, which is what
+    tiling's forward slices are, as inference). Before, nothing said so (tiny Qwen3, 64 tokens,
+    slices of 16: 56 per-token slices in training mode, 0 in eval mode); now one warning per model,
+    naming what met it and why, whichever parts are tiled. No second one in a second step, none for
+    an evaluation under no_grad or a step in training mode."""
+    from hf_offload.tiling import per_token
+
+    model = tiny_model("qwen3", attn_implementation="sdpa", **TWO_LAYERS)
+    model.enable_sequence_tiling(tile_tokens=TILE, **PARTS[parts])
+    slices, run_slice = [], per_token._slice
+    monkeypatch.setattr(per_token, "_slice", lambda *args: slices.append(1) or run_slice(*args))
+
+    def said() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.name == "hf_offload" and "eval mode" in r.getMessage()]
+
+    model.eval()
+    with caplog.at_level(logging.WARNING, logger="hf_offload"):
+        for _ in range(2):
+            model(input_ids=ids(), labels=ids()).loss.backward()
+        assert slices == []
+        (notice,) = said()
+        assert "ran a forward with grad in eval mode, where sequence tiling runs it whole" in notice
+        assert notice.split()[1].startswith("Qwen3") and "model.train()" in notice
+        with torch.no_grad():
+            model(input_ids=ids(), labels=ids())
+        model.train()
+        model(input_ids=ids(), labels=ids()).loss.backward()
+    assert said() == [notice]
+    assert (len(slices) > 0) == (parts in ("all", "layers"))
+
+
 # -- item 8: deep copies, per-head biases, router jitter, hooks on lm_head -------------------------
 
 

@@ -36,7 +36,7 @@ from ..compiling import under_torch_compile
 from ..integrations.trl import fused_head_notice, in_trl_fused_head
 from . import per_token
 from .gradients import Targets, backward_by_slices, refuse_double_backward
-from .replay import Replay
+from .replay import Replay, eval_mode_with_grad, say_eval_mode_runs_whole, tiles_loss
 
 logger = logging.getLogger("hf_offload")
 
@@ -376,13 +376,15 @@ class _TiledLoss(torch.autograd.Function):
 class LossSlot:
     """What tiling keeps on the causal LM: the forward it wraps and the tile size."""
 
-    def __init__(self, tile_tokens: int | None, previous_forward, model_name: str, final_norm=None) -> None:
+    def __init__(self, tile_tokens: int | None, previous_forward, model_name: str, final_norm=None,
+                 said: set | None = None) -> None:  # fmt: skip
         self.tile_tokens = tile_tokens
         self.previous_forward = previous_forward
         self.model_name = model_name
         self.final_norm = final_norm  # run slice by slice with lm_head (None: not found, or not asked for)
         self.active = True  # False: disabled while another wrapper still holds ours (a pass-through)
         self._warned: set[str] = set()
+        self.said = set() if said is None else said  # the model's notices said, shared with its tiled modules
         self.backbone_hook = None  # the backbone's pre-hook that notices TRL's fused head
 
     def __getstate__(self) -> dict:
@@ -597,15 +599,13 @@ def tiled_loss_forward(self: nn.Module, *args, **kwargs):
     slot: LossSlot = self.__dict__[LOSS_STATE_ATTR]
     forward = slot.forward_of(self)
     labels = kwargs.get("labels")
-    # Not `replay.splits` (training alone), the layers' rule: the loss head runs outside the layers'
-    # checkpoints, so no pass of it runs under no_grad and is then recomputed with grad; and a
-    # training-mode forward under no_grad (a reference model's log-probabilities, an evaluation
-    # without model.eval()) wants outputs.logits, which the tiled loss does not return.
-    if not slot.active or labels is None or not (self.training and torch.is_grad_enabled()):
+    if not slot.active or labels is None or kwargs.get("fused_lm_head"):  # TRL's fused head never calls lm_head
         return forward(*args, **kwargs)
-    if kwargs.get("fused_lm_head"):  # TRL's fused head, put on after tiling: it never calls lm_head
+    if not tiles_loss(self):
+        if eval_mode_with_grad(self) and _longer_than_a_slice(slot, self, labels):
+            say_eval_mode_runs_whole(self, slot.said)
         return forward(*args, **kwargs)
-    if torch.is_tensor(labels) and labels.shape[min(1, labels.dim() - 1)] <= slot.tile_for(self):
+    if not _longer_than_a_slice(slot, self, labels):
         return forward(*args, **kwargs)  # one slice: tiling would recompute the head and save nothing
     from transformers.loss.loss_utils import ForCausalLMLoss
 
@@ -630,10 +630,14 @@ def tiled_loss_forward(self: nn.Module, *args, **kwargs):
     return _without_deferred(output)
 
 
+def _longer_than_a_slice(slot: LossSlot, model: nn.Module, labels) -> bool:
+    return not torch.is_tensor(labels) or labels.shape[min(1, labels.dim() - 1)] > slot.tile_for(model)
+
+
 def _notice_a_foreign_head(slot: LossSlot, backbone: nn.Module, args) -> None:
     """The backbone's forward pre-hook: TRL's trainers call the backbone from their fused LM head
     (`add_fused_lm_head`), past the model's forward and so past the tiled loss; say so, once."""
-    if "trl_fused_head" in slot._warned or not (slot.active and backbone.training and torch.is_grad_enabled()):
+    if "trl_fused_head" in slot._warned or not (slot.active and tiles_loss(backbone)):
         return
     if torch.compiler.is_compiling():  # a compiled backbone: reading the call stack would break its graph
         return
@@ -641,10 +645,14 @@ def _notice_a_foreign_head(slot: LossSlot, backbone: nn.Module, args) -> None:
         slot.warn_once("trl_fused_head", fused_head_notice(slot.model_name))
 
 
-def install(model: nn.Module, tile_tokens: int | None, final_norm: nn.Module | None = None) -> None:
+def install(model: nn.Module, tile_tokens: int | None, final_norm: nn.Module | None = None,
+            said: set | None = None) -> None:  # fmt: skip
     name = type(model).__name__
     instance_forward.install(
-        model, tiled_loss_forward, LOSS_STATE_ATTR, lambda previous: LossSlot(tile_tokens, previous, name, final_norm)
+        model,
+        tiled_loss_forward,
+        LOSS_STATE_ATTR,
+        lambda previous: LossSlot(tile_tokens, previous, name, final_norm, said),
     )
     backbone = getattr(model, "base_model", None)
     if isinstance(backbone, nn.Module) and backbone is not model:

@@ -34,7 +34,7 @@ from torch import nn
 from .. import instance_forward
 from ..integrations.transformers_outputs import active_collector, collecting
 from .gradients import Targets, backward_by_slices, refuse_double_backward
-from .replay import Replay, splits
+from .replay import Replay, eval_mode_with_grad, say_eval_mode_runs_whole, splits
 
 logger = logging.getLogger("hf_offload")
 
@@ -59,6 +59,7 @@ class _Slot:
     signatures: dict = field(default_factory=dict)  # what it returns, by the kind of input
     active: bool = True  # False: disabled while another wrapper still holds ours (a pass-through)
     driving: object = None  # in backward, while the forwards wrapping ours run: what ours runs instead
+    said: set = field(default_factory=set)  # the model's notices said, shared by its tiled modules
 
     def forward_of(self, module: nn.Module):
         if self.previous_forward is not None:
@@ -269,8 +270,11 @@ def tiled_forward(self: nn.Module, *args, **kwargs):
         or not isinstance(hidden, torch.Tensor)
         or not _sliceable_along_dim_1(self, hidden)
         or hidden.shape[1] <= slot.tile_tokens
-        or not splits(self)
     ):
+        return own_forward(*args, **kwargs)
+    if not splits(self):
+        if eval_mode_with_grad(self):
+            say_eval_mode_runs_whole(self, slot.said)
         return own_forward(*args, **kwargs)
     rest = args[1:]
     if any(isinstance(value, torch.Tensor) for value in (*rest, *kwargs.values())):
@@ -388,8 +392,14 @@ def _fill(run: _Run, hidden, outputs, collector, keys, *, start: int) -> None:
                 _write(whole, piece, layout, run.batch, first, stop)
 
 
-def install(module: nn.Module, tile_tokens: int) -> None:
-    instance_forward.install(module, tiled_forward, STATE_ATTR, lambda previous: _Slot(tile_tokens, previous))
+def install(module: nn.Module, tile_tokens: int, said: set | None = None) -> None:
+    """Tile `module`; `said`: the notices said for its model, shared by the model's tiled modules."""
+    notices = set() if said is None else said
+
+    def make_slot(previous) -> _Slot:
+        return _Slot(tile_tokens, previous, said=notices)
+
+    instance_forward.install(module, tiled_forward, STATE_ATTR, make_slot)
 
 
 def reinstate(module: nn.Module) -> bool:
@@ -417,21 +427,21 @@ class _Projections:
     handle: object = None
 
 
-def _tile_children(tile_tokens: int, attention: nn.Module, args) -> None:
+def _tile_children(tile_tokens: int, said: set, attention: nn.Module, args) -> None:
     """The attention's forward pre-hook: tile its linear projections as they are now. (A function
     of the module, not a closure, so that a model with tiling pickles.)"""
     from ..adapters import is_linear_like
 
     for child in attention._modules.values():
         if child is not None and not is_tiled(child) and is_linear_like(child):
-            install(child, tile_tokens)
+            install(child, tile_tokens, said)
 
 
-def tile_projections(attention: nn.Module, tile_tokens: int) -> None:
+def tile_projections(attention: nn.Module, tile_tokens: int, said: set) -> None:
     """Tile the attention module's linear projections, found at each of its calls: PEFT may
     replace them by LoRA layers after tiling was enabled, and the LoRA layer as a whole (its
     float32 casts included) is what should run per slice."""
     uninstall(attention)
     state = _Projections(tile_tokens)
-    state.handle = attention.register_forward_pre_hook(functools.partial(_tile_children, tile_tokens))
+    state.handle = attention.register_forward_pre_hook(functools.partial(_tile_children, tile_tokens, said))
     setattr(attention, PROJECTIONS_ATTR, state)
