@@ -21,7 +21,6 @@ linear cross-entropy.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import logging
@@ -243,7 +242,7 @@ class _Source:
     (`inside_a_call`): their hooks run around them, once, as around any call (ZeRO-3 gathers the
     weight, FSDP unshards it, a user's hook sees a call on the whole sequence), and the ops
     recorded on lm_head's deferred output, those of its own output hooks included, are replayed
-    on every slice. The final norm is a stage only where it has no hooks (`LossSlot.deferring`):
+    on every slice. The final norm is a stage only where it has no hooks (`_DeferredStep`):
     what a hook does to its output is not recorded. Forwards that wrap a stage's (accelerate's
     device hooks) are part of that forward, and run for every slice."""
 
@@ -410,83 +409,102 @@ class LossSlot:
             self._warned.add(key)
             logger.log(level, message)
 
-    @contextlib.contextmanager
-    def deferring(self, model: nn.Module) -> contextlib.AbstractContextManager:
-        """For one forward: lm_head returns deferred logits, from the final norm's input where it
-        is given the final norm's output (the norm then runs slice by slice with it), and the loss
-        function computes the tiled loss. All are put back afterwards, whatever happens.
 
-        The final norm itself runs as written (some models call it elsewhere too, before or
-        between their layers; tiled, a slice at a time): its last output, if lm_head takes it, is
-        used no further, so its graph is freed with the forward's locals. A norm with hooks of
-        its own is not chained: its hooks see, and may change, its output on the whole sequence,
-        which the slices computed from its input would not replay (it runs tiled on its own)."""
-        head, norm, slot = model.get_output_embeddings(), self.final_norm, self
-        if norm is not None and _has_hooks(norm):
-            norm = None
-        missing = object()
-        previous_loss = model.__dict__.get("_loss_function", missing)
-        head_forward = _own_forward(head)
-        last_norm_call: list = []  # (input, output, the forward it ran, its targets) of the norm's last call
+_MISSING = object()
 
-        def norm_called(module, args, kwargs):
-            last_norm_call[:] = [args[0] if len(args) == 1 and not kwargs else None, None, _untiled_forward(module),
-                                 Targets.of(module)]  # fmt: skip
 
-        def norm_returned(module, args, kwargs, output):
-            if last_norm_call:
-                last_norm_call[1] = output
+@dataclass
+class _NormCall:
+    """The final norm's last call in a deferred step: what lm_head may have been given."""
 
-        @torch.compiler.disable(reason=_UNDER_COMPILE)
-        def deferred_head(hidden, *args, **kwargs):
-            if args or kwargs or not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
-                slot.warn_once(
-                    "head_input",
-                    f"hf_offload: {slot.model_name} calls its lm_head with other than (batch, tokens, hidden) hidden "
-                    "states alone; its loss runs untiled",
-                )
-                return head_forward(hidden, *args, **kwargs)
-            like = _like(head_forward, hidden)
-            targets = Targets.of(head)
-            if last_norm_call and _same_data(hidden, last_norm_call[1]) and last_norm_call[0] is not None:
-                norm_input, _output, norm_forward, norm_targets = last_norm_call
-                stages = (_Stage(norm, norm_forward), _Stage(head, head_forward))
-                return DeferredLogits(like, _Source(norm_input, stages, norm_targets.merged(targets), like, slot))
-            return DeferredLogits(like, _Source(hidden, (_Stage(head, head_forward),), targets, like, slot))
+    input: torch.Tensor | None  # None: called with more than the hidden states
+    output: object
+    forward: object  # the forward that call ran, less tiling's per-token wrapper
+    targets: Targets
 
-        @torch.compiler.disable(reason=_UNDER_COMPILE)
-        def tiled_loss(logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=-100,
-                       shift_labels=None, **kwargs):  # fmt: skip
-            from transformers.loss.loss_utils import ForCausalLMLoss
 
-            if isinstance(logits, DeferredLogits) and logits.whole:
-                logits.source.note_materialised(logits.whole)
-                logits = logits.materialise()
-            if not isinstance(logits, DeferredLogits):
-                return ForCausalLMLoss(logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels)
-            return _tiled_loss(slot, logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels)
+class _DeferredStep:
+    """One forward of the causal LM in a tiled-loss step, entered around it: lm_head's calls
+    return deferred logits (`_deferred_head`), computed from the final norm's input where lm_head
+    is given the final norm's output (the norm then runs slice by slice with it), and the model's
+    loss function computes the tiled loss (`_loss`). Leaving puts back lm_head's forward and the
+    loss function and removes the hooks it put on, whatever happened.
 
-        previous_head = head.__dict__.get("forward")
-        hooks = [head.register_forward_hook(_end_of_head_call, always_call=True)]  # the last one
+    The final norm itself runs as written (some models call it elsewhere too, before or between
+    their layers; tiled, a slice at a time): its last output, if lm_head takes it, is used no
+    further, so its graph is freed with the forward's locals. A norm with hooks of its own is not
+    chained: its hooks see, and may change, its output on the whole sequence, which the slices
+    computed from its input would not replay (it runs tiled on its own)."""
+
+    def __init__(self, slot: LossSlot, model: nn.Module) -> None:
+        self.slot, self.model = slot, model
+        self.head = model.get_output_embeddings()
+        self.head_forward = _own_forward(self.head)
+        norm = slot.final_norm
+        self.norm = norm if norm is not None and not _has_hooks(norm) else None  # chained where it is called
+        self.norm_call: _NormCall | None = None
+        self._previous: tuple = ()
+        self._handles: list = []
+
+    def __enter__(self) -> _DeferredStep:
+        head, model, norm = self.head, self.model, self.norm
+        self._previous = (head.__dict__.get("forward", _MISSING), model.__dict__.get("_loss_function", _MISSING))
+        self._handles = [head.register_forward_hook(_end_of_head_call, always_call=True)]  # its last hook
         if norm is not None:
-            hooks.append(norm.register_forward_pre_hook(norm_called, with_kwargs=True))
-            hooks.append(norm.register_forward_hook(norm_returned, with_kwargs=True))
-        try:
-            head.forward = deferred_head
-            model._loss_function = tiled_loss
-            yield
-        finally:
-            last_norm_call.clear()
-            for hook in hooks:
-                hook.remove()
-            if previous_head is None:
-                head.__dict__.pop("forward", None)
+            self._handles.append(norm.register_forward_pre_hook(self._norm_called, with_kwargs=True))
+            self._handles.append(norm.register_forward_hook(self._norm_returned, with_kwargs=True))
+        head.forward = self._deferred_head
+        model._loss_function = self._loss
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.norm_call = None
+        for handle in self._handles:
+            handle.remove()
+        for owner, name, previous in zip((self.head, self.model), ("forward", "_loss_function"), self._previous,
+                                         strict=True):  # fmt: skip
+            if previous is _MISSING:
+                owner.__dict__.pop(name, None)
             else:
-                head.forward = previous_head
-            if previous_loss is missing:
-                model.__dict__.pop("_loss_function", None)
-            else:
-                model._loss_function = previous_loss
+                setattr(owner, name, previous)
+
+    def _norm_called(self, module: nn.Module, args, kwargs) -> None:
+        hidden = args[0] if len(args) == 1 and not kwargs else None
+        self.norm_call = _NormCall(hidden, None, _untiled_forward(module), Targets.of(module))
+
+    def _norm_returned(self, module: nn.Module, args, kwargs, output) -> None:
+        if self.norm_call is not None:
+            self.norm_call.output = output
+
+    @torch.compiler.disable(reason=_UNDER_COMPILE)
+    def _deferred_head(self, hidden, *args, **kwargs):
+        slot, head, head_forward = self.slot, self.head, self.head_forward
+        if args or kwargs or not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
+            slot.warn_once(
+                "head_input",
+                f"hf_offload: {slot.model_name} calls its lm_head with other than (batch, tokens, hidden) hidden "
+                "states alone; its loss runs untiled",
+            )
+            return head_forward(hidden, *args, **kwargs)
+        like = _like(head_forward, hidden)
+        targets = Targets.of(head)
+        norm_call = self.norm_call
+        if norm_call is not None and norm_call.input is not None and _same_data(hidden, norm_call.output):
+            stages = (_Stage(self.norm, norm_call.forward), _Stage(head, head_forward))
+            return DeferredLogits(like, _Source(norm_call.input, stages, norm_call.targets.merged(targets), like, slot))
+        return DeferredLogits(like, _Source(hidden, (_Stage(head, head_forward),), targets, like, slot))
+
+    @torch.compiler.disable(reason=_UNDER_COMPILE)
+    def _loss(self, logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=-100, shift_labels=None,
+              **kwargs):  # fmt: skip
+        from transformers.loss.loss_utils import ForCausalLMLoss
+
+        if isinstance(logits, DeferredLogits) and logits.whole:
+            logits.source.note_materialised(logits.whole)
+            logits = logits.materialise()
+        if not isinstance(logits, DeferredLogits):
+            return ForCausalLMLoss(logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels)
+        return _tiled_loss(self.slot, logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels)
 
 
 def _same_data(tensor: torch.Tensor, other) -> bool:
@@ -625,7 +643,7 @@ def tiled_loss_forward(self: nn.Module, *args, **kwargs):
             "(enable_sequence_tiling(loss=False))",
         )
         forward = torch.compiler.disable(forward, reason=_UNDER_COMPILE)
-    with slot.deferring(self):
+    with _DeferredStep(slot, self):
         output = forward(*args, **kwargs)
     return _without_deferred(output)
 
