@@ -662,6 +662,33 @@ def test_a_final_norm_with_hooks_is_not_chained_and_its_hooks_count():
     assert captured[0].untyped_storage().nbytes() == captured[0].nbytes
 
 
+def test_a_global_hook_sees_the_chained_final_norm_once_with_its_real_output():
+    """torch's global forward hooks (which do not unchain the final norm: the memory simulator's
+    attribution is one) see the final norm once per step, in the model's own call, with its real
+    output, and the loss stays tiled. (The loss head's own calls called the chained norm too,
+    handing such a hook lm_head's deferred logits as the norm's output: reading them raised an error
+    naming lm_head's hooks.)"""
+    plain = build("llama")
+    tiled = twin(plain)
+    hf_offload.enable_sequence_tiling(tiled, tile_tokens=TILE)
+    norms, seen = {plain.model.norm: "plain", tiled.model.norm: "tiled"}, []
+
+    def hook(module, args, output):
+        if module in norms:
+            seen.append((norms[module], tuple(output.shape), output.mean().item()))
+
+    handle = torch.nn.modules.module.register_module_forward_hook(hook)
+    try:
+        expected, actual = step(plain), step(tiled)
+    finally:
+        handle.remove()
+    assert_close(expected, actual, **FLOAT64)
+    assert actual[2].logits is None  # the loss was tiled
+    (_, shape, plain_mean), (_, tiled_shape, tiled_mean) = seen
+    assert [name for name, *_ in seen] == ["plain", "tiled"] and tiled_shape == shape == (2, SEQ, 32)
+    assert tiled_mean == pytest.approx(plain_mean, rel=1e-9, abs=1e-15)
+
+
 def test_a_tiled_modules_hooks_run_once_per_step_as_untiled():
     """A tiled module's slices run inside one call of it in forward, and its backward is no call of
     it: its hooks run once per step whatever the number of slices, as untiled (a backward calling

@@ -238,13 +238,13 @@ class _Source:
     they are now, with LoRA on lm_head PEFT's), and the tensors they need gradients for, found
     inside their calls.
 
-    The slices are computed by the stages' forwards, inside one call of each stage's module
-    (`inside_a_call`): their hooks run around them, once, as around any call (ZeRO-3 gathers the
-    weight, FSDP unshards it, a user's hook sees a call on the whole sequence), and the ops
-    recorded on lm_head's deferred output, those of its own output hooks included, are replayed
-    on every slice. The final norm is a stage only where it has no hooks (`_DeferredStep`):
-    what a hook does to its output is not recorded. Forwards that wrap a stage's (accelerate's
-    device hooks) are part of that forward, and run for every slice."""
+    The slices are computed by the stages' forwards, inside one call of lm_head (`inside_a_call`):
+    its hooks run around them, once, as around any call (ZeRO-3 gathers the weight, FSDP unshards
+    it, a user's hook sees a call on the whole sequence), and the ops recorded on lm_head's
+    deferred output, those of its own output hooks included, are replayed on every slice. The
+    final norm is a stage only where it has no hooks (`_DeferredStep`): what a hook does to its
+    output is not recorded. Forwards that wrap a stage's (accelerate's device hooks) are part of
+    that forward, and run for every slice."""
 
     hidden: torch.Tensor
     stages: tuple[_Stage, ...]
@@ -260,12 +260,12 @@ class _Source:
         return hidden
 
     def inside_a_call(self, work, hidden: torch.Tensor | None = None):
-        """`work()`, run inside one call of each stage's module on the whole hidden states (`hidden`,
-        or the source's own), the first stage's call outermost."""
+        """`work()`, run inside one call of lm_head (the last stage) on the whole hidden states
+        (`hidden`, or the source's own). The final norm chained before it has no hooks of its own
+        (else it is not chained) and is not called here: torch's global hooks see it once, in the
+        model's own call, with its real output, not here with a stand-in shaped as the logits."""
         hidden = self.hidden if hidden is None else hidden
-        for stage in reversed(self.stages):
-            work = functools.partial(_call_running, stage.module, work, hidden, DeferredLogits(self.like, self))
-        return work()
+        return _call_running(self.stages[-1].module, work, hidden, DeferredLogits(self.like, self))
 
     def logits(self, ops: tuple) -> torch.Tensor:
         """The last stage's whole output, after `ops`."""
