@@ -28,6 +28,7 @@ from .engine import ActivationOffloader, OffloadStats, in_backward
 from .integrations.kernels import check_kernel_funcs
 from .integrations.liger import fused_linear_cross_entropy_in_use
 from .integrations.trl import TRL_OFFLOADING_WARNING, is_trl_hooks_module
+from .integrations.upstream import announce, present
 
 logger = logging.getLogger("hf_offload")
 
@@ -586,6 +587,8 @@ def enable_activation_offloading(model: nn.Module, *positional: object, **option
     target = unwrap_model(model)
     _adapter, layers = resolve_layers(target)  # raises before anything is changed
     check_kernel_funcs(target)
+    if "trl" in sys.modules and not present("trl.offloading_hooks"):  # TRL's own offloading goes unnoticed
+        announce("trl.offloading_hooks")
     controller: _Controller | None = target.__dict__.get(MODEL_STATE_ATTR)
     if controller is None:
         controller = _Controller(target, parsed)

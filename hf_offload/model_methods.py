@@ -71,6 +71,18 @@ class _ModelProperty(_ModelMethod):
         return self.function().__doc__
 
 
+def _add_methods_to(module) -> None:
+    """The methods on the module's PreTrainedModel; where transformers no longer defines it there,
+    said once (the functions of hf_offload work on any model as they do)."""
+    model_class = getattr(module, "PreTrainedModel", None)
+    if model_class is None:
+        from .integrations.upstream import announce
+
+        announce("transformers.pretrained_model")
+        return
+    _add_methods(model_class)
+
+
 _added = False  # the methods are on a PreTrainedModel (the one a reload of its module replaces gets them again)
 
 
@@ -126,7 +138,7 @@ class _AddMethodsAfterExecution(Loader):
         if module.__spec__ is not None:
             module.__spec__.loader = self.loader
         self.loader.exec_module(module)
-        _add_methods(module.PreTrainedModel)
+        _add_methods_to(module)
 
     def __getattr__(self, name: str):
         return getattr(self.loader, name)
@@ -167,7 +179,7 @@ def install() -> None:
     """Add the methods to `PreTrainedModel` now if transformers has defined it, whenever
     `transformers.modeling_utils` executes, and when a model is built without them. Idempotent."""
     module = sys.modules.get(MODULE)
-    if module is not None and hasattr(module, "PreTrainedModel"):
+    if module is not None and hasattr(module, "PreTrainedModel"):  # else: still executing, or without it
         _add_methods(module.PreTrainedModel)
     _watch_model_construction()
     # By class name: after importlib.reload of this module the class is a new object.

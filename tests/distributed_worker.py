@@ -354,7 +354,7 @@ def scenario_zero3(tiling: bool = False) -> dict:
     from torch.multiprocessing.reductions import StorageWeakRef
     from transformers.utils import is_kernels_available
 
-    from hf_offload.integrations.kernels import replaced_by_kernelize
+    from hf_offload.instance_forward import dropped
     from hf_offload.tiling import per_token
 
     config = {
@@ -386,7 +386,7 @@ def scenario_zero3(tiling: bool = False) -> dict:
             # takes tiling's wrapper off the norms, which must still run a slice at a time under ZeRO-3.
             model.set_use_kernels(True)
             if tiled:
-                taken_off.append(sum(replaced_by_kernelize(m) for m in model.modules() if per_token.is_tiled(m)))
+                taken_off.append(sum(dropped(m) for m in model.modules() if per_token.is_tiled(m)))
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
         gathered: list[StorageWeakRef] = []
         names = {module: name for name, module in model.named_modules()}

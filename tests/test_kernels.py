@@ -19,7 +19,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 import hf_offload
-from hf_offload.integrations.kernels import replaced_by_kernelize
+from hf_offload.instance_forward import dropped
 from hf_offload.tiling import per_token
 
 # A dependency of transformers from 5.25 on (the newest releases CI installs); absent at the oldest
@@ -82,7 +82,7 @@ def test_tiling_survives_the_kernelize_of_every_train_call(loaded, monkeypatch):
         model.train()
     norms = [m for m in tiled.modules() if type(m) is type(tiled.model.norm)]
     # The premise: train() kernelized again and took the wrapper off (else this test checks nothing).
-    assert norms and all(replaced_by_kernelize(norm) for norm in norms)
+    assert norms and all(dropped(norm) for norm in norms)
     ids = batch(seed=3)
     expected = step(plain, ids)
     widths = norm_widths(monkeypatch, tiled)
@@ -90,7 +90,7 @@ def test_tiling_survives_the_kernelize_of_every_train_call(loaded, monkeypatch):
     with_grad = [tokens for tokens, grad in widths if grad]
     assert with_grad and max(with_grad) <= TILE, widths
     assert_close(expected, actual)
-    assert all(per_token.is_tiled(norm) and not replaced_by_kernelize(norm) for norm in norms)
+    assert all(per_token.is_tiled(norm) and not dropped(norm) for norm in norms)
     loss, offloaded_grads = step(offloaded, ids)
     assert torch.equal(loss, actual[0]) and all(torch.equal(offloaded_grads[n], g) for n, g in actual[1].items())
 
@@ -150,7 +150,7 @@ def test_a_hub_kernels_rmsnorm_runs_a_slice_at_a_time():
     tiled.load_state_dict(plain.state_dict())
     hf_offload.enable_sequence_tiling(tiled, tile_tokens=TILE)
     kernelized(tiled)
-    assert replaced_by_kernelize(tiled.model.norm)  # the premise: kernelize took the wrapper off
+    assert dropped(tiled.model.norm)  # the premise: kernelize took the wrapper off
     ids = batch(seed=4)
     expected = step(plain, ids)
     KERNEL_WIDTHS.clear()

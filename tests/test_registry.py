@@ -16,7 +16,9 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+import transformers
 from conftest import assert_bit_identical, directional_derivatives, enable_sim, twin
+from packaging.version import Version
 from registry_models import ConfigRefused, inputs, tiny_model
 from torch.overrides import TorchFunctionMode
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -33,6 +35,7 @@ SEQ, TILE, BATCH = 32, 10, 2  # slices of 10, 10, 10 and 2 tokens: the last one 
 CLOSE = dict(rtol=1e-4, atol=1e-6)
 
 CAUSAL_LM_TYPES = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+LISTS_WRITTEN_FOR = "5.25.0"  # the transformers release the lists below were last checked against
 
 # Types no tiny model here trains: (exception, message pattern, why).
 _DRAFTER = (
@@ -423,11 +426,14 @@ def test_untrainable_types_still_fail_as_stated(model_type):
 
 
 def test_the_lists_name_causal_lm_types():
+    """Nothing listed that transformers no longer has: checked on the release the lists were written
+    for and later ones (an older transformers, as .ci/oldest installs, lacks the newer types)."""
     listed = {
         *UNTRAINABLE, *STACKS, *OFFLOADS_NOTHING, *MLP_ELSEWHERE, *RUNS_WHOLE, *SLICED_IN_THE_FIRST_LAYER_ONLY,
         *LOSS_UNTILED, *DROPOUT_IN_TILED_PARTS, *HEADS_WHOLE, *HEADS_CLOSE,
     }  # fmt: skip
-    assert listed <= set(CAUSAL_LM_TYPES), f"no longer causal-LM types: {sorted(listed - set(CAUSAL_LM_TYPES))}"
+    if Version(transformers.__version__) >= Version(LISTS_WRITTEN_FOR):
+        assert listed <= set(CAUSAL_LM_TYPES), f"no longer causal-LM types: {sorted(listed - set(CAUSAL_LM_TYPES))}"
     listed_swept = {
         *STACKS, *OFFLOADS_NOTHING, *MLP_ELSEWHERE, *RUNS_WHOLE, *SLICED_IN_THE_FIRST_LAYER_ONLY, *LOSS_UNTILED
     }  # fmt: skip

@@ -3,15 +3,15 @@
 classes; `kernels` is never imported.
 
 Two of its behaviours meet ours (checked on kernels 0.19.1 with transformers 5.25.0; the entries
-`kernels.kernelize_replaces_forward` and `kernels.kernel_funcs` of `hf_offload.integrations.upstream`):
+`kernels.kernelize` and `kernels.kernel_funcs` of `hf_offload.integrations.upstream`):
 
-- `kernelize(model)` visits every module whose class `use_kernel_forward_from_hub` decorated (the
-  class then has `kernel_layer_name`: RMSNorm, the rotary embedding, ...) and sets that module's
-  instance-level `forward` to a hub kernel's bound forward, or deletes it to fall back to the
-  class's. transformers kernelizes in `from_pretrained` and again at every `train()` / `eval()`
-  that changes the mode. A wrapper tiling put on such a module's forward is then gone, and the
-  module would run whole: `replaced_by_kernelize` tells it, and tiling puts its wrapper back on top
-  of whatever kernelize chose (a hub kernel's forward is per token as the module's is).
+- `kernelize(model)` visits every module whose class `use_kernel_forward_from_hub` decorated
+  (RMSNorm, the rotary embedding, ...) and sets that module's instance-level `forward` to a hub
+  kernel's bound forward, or deletes it to fall back to the class's. transformers kernelizes in
+  `from_pretrained` and again at every `train()` / `eval()` that changes the mode. A wrapper tiling
+  put on such a module's forward is then gone: `instance_forward.dropped` tells it, and tiling puts
+  its wrapper back on top of whatever kernelize chose (a hub kernel's forward is per token as the
+  module's is).
 - `use_kernelized_func(fn)` replaces a class's `__init__` (which sets `self._kernel_funcs`) and its
   `forward` (which reads it at every call). A module built while the class had another
   `__init__` (DeepSpeed's `zero.Init` puts back the `__init__` it saw when the class was created
@@ -21,36 +21,9 @@ Two of its behaviours meet ours (checked on kernels 0.19.1 with transformers 5.2
 
 from __future__ import annotations
 
-import types
-
 from torch import nn
 
-KERNEL_LAYER_ATTR = "kernel_layer_name"  # set on a class by kernels' use_kernel_forward_from_hub
 KERNEL_FUNCS_ATTR = "_kernel_funcs"  # set on an instance by kernels' use_kernelized_func __init__
-
-
-def is_kernel_layer(module: nn.Module) -> bool:
-    """Whether `kernelize` rewrites this module's forward: its class was decorated with kernels'
-    `use_kernel_forward_from_hub`."""
-    return hasattr(type(module), KERNEL_LAYER_ATTR)
-
-
-def replaced_by_kernelize(module: nn.Module) -> bool:
-    """Whether the module's instance-level forward is what `kernelize` leaves: none (it fell back to
-    the class's forward) or a layer class's `forward` bound to the module (a hub kernel's), so that
-    nothing installed on the forward before it is reached any more. False for any other forward (a
-    wrapper that keeps the one it wraps, as accelerate's hooks do), and for a module whose class
-    kernelize does not visit."""
-    if not is_kernel_layer(module):
-        return False
-    current = module.__dict__.get("forward")
-    if current is None:
-        return True
-    if not isinstance(current, types.MethodType) or current.__self__ is not module:
-        return False
-    function = current.__func__
-    # A class's own `forward` (qualname "RMSNorm.forward"), not a closure made around another one.
-    return function.__name__ == "forward" and "<locals>" not in function.__qualname__
 
 
 def reads_kernel_funcs(cls: type) -> bool:

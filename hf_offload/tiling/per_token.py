@@ -218,9 +218,10 @@ def _inside_outer_forwards(module: nn.Module, work, args: tuple, kwargs: dict):
     """`work()`, inside the forwards that wrap tiling's on `module` (put on after tiling was enabled),
     run on the forward's arguments: tiling's forward, reached through them, runs `work` instead of
     the module's (`_Slot.driving`) and gives them None as the output. Directly where nothing wraps
-    tiling's forward, or tiling was disabled since the forward."""
+    tiling's forward, where something dropped it since the forward (kernelize at a mode change), or
+    where tiling was disabled since."""
     slot: _Slot | None = module.__dict__.get(STATE_ATTR)
-    if slot is None or instance_forward.wraps(module, tiled_forward):
+    if slot is None or instance_forward.wraps(module, tiled_forward) or instance_forward.dropped(module):
         return work()
     done: list = []
     slot.driving = lambda: done.append(work())
@@ -228,7 +229,7 @@ def _inside_outer_forwards(module: nn.Module, work, args: tuple, kwargs: dict):
         module.forward(*args, **kwargs)
     finally:
         slot.driving = None
-    if not done:  # the chain no longer reaches tiling's forward (replaced since the forward): the slices alone
+    if not done:  # the chain no longer reaches tiling's forward (replaced since): the slices on their own
         done.append(work())
     return done.pop()
 
