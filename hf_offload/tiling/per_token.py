@@ -200,9 +200,9 @@ class _TiledMLP(torch.autograd.Function):
 
         # Not a call of the module: its hooks saw its real output once, in forward, as without tiling
         # (ZeRO-3 and FSDP gather its weights for backward through the hooks they put on that output).
-        # A slice's recompute is its forward alone, so a hook that changed the output does not change
-        # the gradient twice. The forwards wrapping tiling's (accelerate's device hooks, which load
-        # offloaded weights and have no backward hooks) run once around the slices, as in forward.
+        # A slice's recompute is the module's forward alone: what a hook did to the output is
+        # differentiated once, where it happened. The forwards wrapping tiling's (accelerate's device
+        # hooks, which load offloaded weights and have no backward hooks) run once around the slices.
         grad_x, sums = _inside_outer_forwards(
             run.module,
             lambda: backward_by_slices(
