@@ -453,18 +453,6 @@ def _offloaded_forward(self: nn.Module, *args, **kwargs):
         return forward(*args, **kwargs)
 
 
-def _replicate_with_offloading(self: nn.Module) -> nn.Module:
-    # nn.DataParallel copies each module's __dict__ into a replica, which would carry a forward
-    # still bound to this layer (and its weights on the first GPU). Rebind it to the replica.
-    replica = type(self)._replicate_for_data_parallel(self)
-    # Its own slot too: the slot remembers where this layer's parameters are (for its device and
-    # its parameters' storages), and the replica's are on another GPU.
-    setattr(replica, LAYER_STATE_ATTR, self.__dict__[LAYER_STATE_ATTR].for_replica(replica))
-    instance_forward.rebind(replica, _offloaded_forward, LAYER_STATE_ATTR)
-    replica._replicate_for_data_parallel = instance_forward.BoundMethod(_replicate_with_offloading, replica)
-    return replica
-
-
 def _install(controller: _Controller, layers: Sequence[nn.Module]) -> None:
     unique = list(dict.fromkeys(layers))  # a layer listed twice must not wrap its own wrapper
     controller.installations += 1
@@ -477,7 +465,6 @@ def _install(controller: _Controller, layers: Sequence[nn.Module]) -> None:
             LAYER_STATE_ATTR,
             lambda previous, position=position, layer=layer: _LayerSlot(controller, position, previous, layer),
         )
-        layer._replicate_for_data_parallel = instance_forward.BoundMethod(_replicate_with_offloading, layer)
         attention = find_attention(layer)  # it looks through wrappers itself
         projection = next((c for c in attention.children() if is_linear_like(c)), None) if attention else None
         slot = layer.__dict__[LAYER_STATE_ATTR]

@@ -893,3 +893,37 @@ def test_sliced_along_dim_1_such_a_norm_would_fail(monkeypatch):
     per_token.install(norm, 2)
     with pytest.raises(RuntimeError):
         norm(x)
+
+
+def replicated(module: torch.nn.Module, scale: float) -> torch.nn.Module:
+    """What nn.DataParallel's `replicate` makes of `module` for another GPU, on the CPU: each module's
+    `_replicate_for_data_parallel()`, the children wired to their replicas, and weights of the
+    replica's own (here `scale` times the original's)."""
+    copies = {m: m._replicate_for_data_parallel() for m in module.modules()}
+    for original, copy in copies.items():
+        copy._modules = {name: copies[child] for name, child in original._modules.items()}
+        for name, parameter in original._parameters.items():
+            copy._parameters[name] = None if parameter is None else (parameter.detach() * scale).requires_grad_()
+    return copies[module]
+
+
+def test_data_parallel_replicas_of_tiled_modules_run_their_own_weights():
+    """nn.DataParallel copies each module's __dict__ into a replica on another GPU (torch's
+    `_replicate_for_data_parallel`, as its `replicate` calls it): a tiled MLP's and norm's replica
+    runs a slice at a time with the replica's weights, not the original's, and a replica of a
+    replica too; the loss head's is bound to its replica. Disabling takes the override off."""
+    model = tiny_model()
+    hf_offload.enable_sequence_tiling(model, tile_tokens=TILE)
+    layer = model.model.layers[0]
+    hidden = torch.randn(2, SEQ, model.config.hidden_size, requires_grad=True)
+    for module in (layer.mlp, layer.input_layernorm):
+        replica = replicated(replicated(module, 1.0), 2.0)
+        assert replica.forward.__self__ is replica and per_token.is_tiled(replica)
+        reference = twin(module)
+        per_token.uninstall(reference)
+        for parameter in reference.parameters():
+            parameter.data.mul_(2)
+        torch.testing.assert_close(replica(hidden), reference(hidden))
+    assert model._replicate_for_data_parallel().forward.__self__ is not model
+    hf_offload.disable_sequence_tiling(model)
+    assert not [m for m in model.modules() if "_replicate_for_data_parallel" in m.__dict__]
