@@ -32,6 +32,21 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
     return launch("sequence_parallel_worker.py", out, env={"DS_ACCELERATOR": "cpu"})
 
 
+# The head-chunk scenarios on 4 ranks too (each rank 2 of the 8 query heads; fewer key/value heads
+# than ranks at ratios 4 and 8, repeated as DeepSpeed repeats them): one launch of its own.
+CHECKPOINTED = ("reentrant", "non_reentrant")
+FOUR_RANK_SCENARIOS = "head_chunks_checkpointed,head_chunks_refusal"
+
+
+@pytest.fixture(scope="module")
+def runs_on_four(tmp_path_factory) -> dict[str, list[dict]]:
+    pytest.importorskip("deepspeed")
+    out = tmp_path_factory.mktemp("sequence_parallel_4") / "results.json"
+    return launch(
+        "sequence_parallel_worker.py", out, "--scenarios", FOUR_RANK_SCENARIOS, env={"DS_ACCELERATOR": "cpu"}, nproc=4
+    )
+
+
 def assert_matches_one_process(ranks: list[dict], grad_tolerance: float) -> None:
     assert len(ranks) == NPROC
     for rank, result in enumerate(ranks):
@@ -237,6 +252,68 @@ def test_the_multi_gpu_script_runs_on_the_cpu(runs):
         assert result["written"] is (True if rank == 0 else None)
 
 
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_query_heads_a_chunk_at_a_time_through_the_exchange_match_one_process(request, ranks):
+    """Attention tiled over heads under Ulysses: each rank's query heads go through the all-to-all
+    a chunk at a time (one query head per chunk, as tiling chooses, and 2 where a rank has more),
+    at grouped-query ratios 1, 4 and 8 (at ratio 8, and at 4 on 4 ranks, fewer key/value heads
+    than ranks), without checkpointing and with reentrant and non-reentrant checkpointing, in
+    float64: loss and gradients of one process. It is chunked (more collectives than DeepSpeed's
+    call) and sends the bytes DeepSpeed's call sends, each key/value head once per pass; with
+    offloading on top, bit-identical."""
+    if ranks == 2:
+        results, checkpointing = request.getfixturevalue("runs")["head_chunks"], ("none", "reentrant", "non_reentrant")
+    else:  # without checkpointing on 2 ranks only: 4 processes on the suite's 2 cores are slow
+        results, checkpointing = request.getfixturevalue("runs_on_four")["head_chunks_checkpointed"], CHECKPOINTED
+    assert len(results) == ranks
+    for rank, result in enumerate(results):
+        assert "error" not in result, result.get("traceback")
+        configs = {name: config for name, config in result.items() if name != "seconds"}
+        expected = {f"ratio {r}, {c}, tile_heads None" for r in (1, 4, 8) for c in checkpointing}
+        if ranks == 2:
+            expected |= {f"ratio {r}, non_reentrant, tile_heads 2" for r in (1, 4, 8)}
+        assert set(configs) == expected
+        for name, config in configs.items():
+            where = f"rank {rank}, {name}"
+            assert config["steps"] == 4 and config["same_grad_names"], where
+            assert config["loss_rel"] < LOSS, (where, config["losses"], config["reference_losses"])
+            assert config["grad_rel"] < FLOAT64_GRAD, (where, config["worst"], config["grad_rel"])
+            assert config["exchanges"] > config["deepspeed_exchanges"], where  # chunked, not DeepSpeed's call
+            # Counted in forward and in the recompute (once per pass): without checkpointing, one pass of two.
+            passes = 1 if ", none," in name else 2
+            assert config["sent_bytes"] * 2 == config["deepspeed_sent_bytes"] * passes, where
+            if "offloaded_identical" in config:
+                assert config["offloaded_identical"], where
+        assert any("offloaded_identical" in config for config in configs.values())
+
+
+def test_the_chunked_exchange_gives_the_gradient_of_the_reported_loss(runs):
+    """transformers reports the loss in float32: along a random direction of the weights, the
+    chunked run's directional derivative is the central difference of the loss the SP group
+    reports (ratio 4, one query head per chunk, non-reentrant checkpointing)."""
+    for result in runs["head_chunks_finite_difference"]:
+        assert "error" not in result, result.get("traceback")
+        assert result["rel"] < 0.01, result
+
+
+def test_chunks_attending_with_the_wrong_key_values_are_caught(runs):
+    """Companion of the parity above: every chunk attending with its rank's first key/value head
+    (a head kept past its query heads) trains on another gradient, and the comparison sees it."""
+    for result in runs["head_chunks_wrong_key_values"]:
+        assert "error" not in result, result.get("traceback")
+        assert result["grad_rel"] > 0.05 and result["loss_rel"] > 1e-4, result
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_padding_is_refused_with_chunked_heads_as_without(request, ranks):
+    """Left padding (which Ulysses, dropping the mask, would attend to) is refused by Ulysses.adapt
+    with attention tiled over heads as without; a sequence padded at its end to a multiple of the
+    ranks trains (the 15-token batches of the parity runs)."""
+    for result in request.getfixturevalue("runs" if ranks == 2 else "runs_on_four")["head_chunks_refusal"]:
+        assert "error" not in result, result.get("traceback")
+        assert result["left_padding"].startswith("ValueError") and "pad on the right" in result["left_padding"]
+
+
 # --- bad input, in this process ---------------------------------------------------------------
 
 
@@ -304,6 +381,19 @@ def test_on_the_cpu_deepspeed_communication_is_asked_for_before_accelerate_asser
         sp.check_sequence_parallel(tiny_model("llama"), 2)
     monkeypatch.setattr(comm, "is_initialized", lambda: True)
     assert sp.check_sequence_parallel(tiny_model("llama"), 2) == "sdpa"
+
+
+def test_a_chunk_size_the_rank_heads_do_not_allow_is_refused_by_name():
+    from hf_offload.tiling.ulysses_heads import plan_chunks
+
+    plan = plan_chunks(32, 8, 8)  # Llama-3-8B on 8 ranks: 4 query heads and 1 key/value head each
+    assert (plan.rank_heads, plan.rank_kv_heads, plan.heads_per_chunk, plan.chunks) == (4, 1, 1, 4)
+    assert plan_chunks(32, 8, 32).replication == 4  # 32 ranks: each key/value head to 4 of them
+    with pytest.raises(ValueError, match=r"tile_heads=3 under Ulysses over 8 ranks: each rank computes 4 query heads "
+                       r"with 1 key/value head\(s\).*valid tile_heads here: \[1, 2, 4\]"):  # fmt: skip
+        plan_chunks(32, 8, 8, heads_per_chunk=3)
+    with pytest.raises(ValueError, match=r"valid tile_heads here: \[4, 8\]"):  # 2 query heads per key/value head
+        plan_chunks(32, 16, 4, heads_per_chunk=2 * 3)
 
 
 def test_a_model_without_a_transformers_config_is_refused():

@@ -40,6 +40,8 @@ import hashlib
 import os
 import re
 import sys
+import types
+import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -612,6 +614,93 @@ def register_ulysses(model: nn.Module, sp_size: int, micro_batch_size: int = 1) 
     return ulysses
 
 
+# DeepSpeed's Ulysses attention modules whose forward runs query heads a chunk at a time where the
+# calling attention is tiled over heads (`adopt_ulysses`), each with the registered function it
+# was found through.
+_ADOPTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+ULYSSES_MODULE = "deepspeed.runtime.sequence_parallel.ulysses_sp"
+
+
+def adopt_ulysses(implementation: str) -> None:
+    """Where DeepSpeed's Ulysses is registered for `implementation` (by `register_ulysses`, or by
+    accelerate's or the Trainer's `prepare` with `ParallelismConfig(sp_backend="deepspeed")`), its
+    attention runs the rank's query heads a chunk at a time through the exchange for calls whose
+    attention module is tiled over heads (`hf_offload.tiling.ulysses_heads`), and as DeepSpeed
+    runs it for every other call. Called by tiling before each call of a tiled attention block,
+    so that a registration made after tiling was enabled is found too; cheap once done."""
+    ulysses_sp = sys.modules.get(ULYSSES_MODULE)
+    if ulysses_sp is None:
+        return
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    wrapper = _local_mapping(ALL_ATTENTION_FUNCTIONS).get(implementation)
+    if wrapper is None or getattr(wrapper, "_hf_offload_adopted", False):
+        return
+    wrapper._hf_offload_adopted = True  # looked at once per registration
+    instance = _ulysses_of(wrapper, ulysses_sp.UlyssesSPAttentionHF)
+    if instance is None:
+        return  # not DeepSpeed's registration (someone's own override): left as it is
+    instance.forward = types.MethodType(_forward_in_head_chunks, instance)
+    _ADOPTED[instance] = weakref.ref(wrapper)
+
+
+def _ulysses_of(wrapper, kind: type):
+    """The `UlyssesSPAttentionHF` DeepSpeed's registered wrapper calls (held in its closure:
+    DeepSpeed returns only the mpu), or None."""
+    for cell in getattr(wrapper, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(value, kind):
+            return value
+    return None
+
+
+def release_ulysses() -> None:
+    """Put DeepSpeed's own forward back on every Ulysses attention `adopt_ulysses` changed (tiling
+    disabled on every model of the process)."""
+    for instance, wrapper_ref in list(_ADOPTED.items()):
+        instance.__dict__.pop("forward", None)
+        wrapper = wrapper_ref()
+        if wrapper is not None:
+            wrapper.__dict__.pop("_hf_offload_adopted", None)
+    _ADOPTED.clear()
+
+
+def _forward_in_head_chunks(self, module: nn.Module, query, key, value, attention_mask, *args, **kwargs):
+    """`UlyssesSPAttentionHF.forward`, with the rank's query heads a chunk at a time through the
+    exchange where `chunk_plan` says so (the module's attention tiled over heads, in training, a
+    sequence longer than tiling's slice); else DeepSpeed's own forward. DeepSpeed's wrapper has
+    dropped the attention mask already (but flex attention's block mask, which runs as DeepSpeed
+    runs it)."""
+    from hf_offload.tiling.ulysses_heads import attention_in_head_chunks, chunk_plan
+
+    plan = None
+    if not args and attention_mask is None:
+        plan = chunk_plan(module, query, key, self.world_size, kwargs)
+    if plan is None:
+        return type(self).forward(self, module, query, key, value, attention_mask, *args, **kwargs)
+    positions = kwargs.get("position_ids")
+    if positions is None:
+        raise ValueError(
+            "Ulysses needs position_ids in every forward, each rank's shard of the whole sequence's positions "
+            "(Ulysses.adapt and DeepSpeed's UlyssesSPDataLoaderAdapter add them)"
+        )
+    # As DeepSpeed does: the kernels see the whole sequence's positions (FlashAttention reads packing from them).
+    gathered = [torch.empty_like(positions) for _ in range(self.world_size)]
+    torch.distributed.all_gather(gathered, positions.contiguous(), group=self.process_group)
+    kwargs["position_ids"] = torch.cat(gathered, dim=1)
+    ulysses_sp = sys.modules[ULYSSES_MODULE]
+
+    def exchange(buffer: torch.Tensor) -> torch.Tensor:
+        return ulysses_sp._dim_zero_all_to_all(self.process_group, buffer)
+
+    return attention_in_head_chunks(
+        module, query, key, value, None, plan=plan, exchange=exchange, core=self.attn, **kwargs
+    )
+
+
 def _local_mapping(functions) -> dict:
     """transformers' ALL_ATTENTION_FUNCTIONS keeps a mapping of its own in front of the class-wide
     one (`AttentionInterface.register`): item assignment writes there, and shadows the class-wide
@@ -681,6 +770,7 @@ def unregister_ulysses() -> None:
 __all__ = [
     "ULYSSES_ATTENTION",
     "Ulysses",
+    "adopt_ulysses",
     "check_sequence_parallel",
     "register_ulysses",
     "registered_ulysses",
