@@ -120,6 +120,7 @@ def check_sequence_parallel(model: object, sp_size: int, world_size: int | None 
     Call it before `Trainer(...)` or `accelerate.prepare` with the same model and `sp_size`: they
     run the same checks later, some as bare assertions."""
     implementation = _check_model(model, sp_size)
+    _check_not_context_parallel()
     if world_size is None:
         _check_deepspeed_communication()
         if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -131,6 +132,29 @@ def check_sequence_parallel(model: object, sp_size: int, world_size: int | None 
             f"(launch a multiple of {sp_size} processes, e.g. torchrun --nproc-per-node {sp_size})"
         )
     return implementation
+
+
+_TORCH_CONTEXT_PARALLEL = "torch.distributed.tensor.experimental._context_parallel._attention"
+
+
+def torch_context_parallel_active() -> bool:
+    """Whether torch's context parallelism (`context_parallel`, accelerate's `cp_size`, TRL's
+    `parallelism_config_cp_size`) has replaced `torch.nn.functional.scaled_dot_product_attention`
+    with its ring dispatcher in this process: inside its context, each rank's sequence is already
+    a shard of the whole."""
+    attention = sys.modules.get(_TORCH_CONTEXT_PARALLEL)
+    replaced = getattr(attention, "_replaced_functions", None) or {}
+    return torch.nn.functional.scaled_dot_product_attention in replaced
+
+
+def _check_not_context_parallel() -> None:
+    if torch_context_parallel_active():
+        raise ValueError(
+            "torch's context parallelism is on (scaled_dot_product_attention is its ring dispatcher), and Ulysses "
+            "splits the sequence across ranks too: each rank's shard would be split again. Use one of them: "
+            "ParallelismConfig(cp_size=N) on FSDP2, or sp_size=N with sp_backend='deepspeed' (accelerate refuses "
+            "both at once); hf_offload's offloading and tiling compose with either (docs/sequence_parallel.md)"
+        )
 
 
 def _check_deepspeed_communication() -> None:
@@ -676,6 +700,7 @@ def _forward_in_head_chunks(self, module: nn.Module, query, key, value, attentio
     runs it)."""
     from hf_offload.tiling.ulysses_heads import attention_in_head_chunks, chunk_plan
 
+    _check_not_context_parallel()  # one call of each would shard the shard
     plan = None
     if not args and attention_mask is None:
         plan = chunk_plan(module, query, key, self.world_size, kwargs)
@@ -776,5 +801,6 @@ __all__ = [
     "registered_ulysses",
     "sequence_parallel_loss",
     "sums_over_sequence_parallel_ranks",
+    "torch_context_parallel_active",
     "unregister_ulysses",
 ]
