@@ -956,10 +956,14 @@ SCENARIOS = {
 }
 
 
+# Run only when named (the 4-rank launch): the 2-rank launch runs head_chunks, a superset.
+NAMED_ONLY = frozenset({"head_chunks_checkpointed"})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--scenarios", default=",".join(SCENARIOS))
+    parser.add_argument("--scenarios", default=",".join(name for name in SCENARIOS if name not in NAMED_ONLY))
     args = parser.parse_args()
     global OUT, SP
     OUT = os.path.abspath(args.out)

@@ -49,9 +49,11 @@ def torchrun(
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
 
 
-def launch(script: str, out: Path, *args: str, env: dict | None = None, nproc: int = NPROC) -> dict[str, list[dict]]:
+def launch(
+    script: str, out: Path, *args: str, env: dict | None = None, nproc: int = NPROC, timeout: int = TIMEOUT
+) -> dict[str, list[dict]]:
     """Run a worker script under torchrun; what it wrote: {scenario: [rank 0's result, rank 1's, ...]}."""
-    result = torchrun(TESTS / script, "--out", str(out), *args, env=env, nproc=nproc)
+    result = torchrun(TESTS / script, "--out", str(out), *args, env=env, nproc=nproc, timeout=timeout)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     data = json.loads(out.read_text())
     assert data["world_size"] == nproc
