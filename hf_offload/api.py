@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import sys
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 
@@ -24,8 +25,10 @@ from .adapters import find_attention, innermost, is_linear_like, resolve_layers,
 from .compiling import under_torch_compile
 from .config import OffloadOptions, reject_positional
 from .engine import ActivationOffloader, OffloadStats, in_backward
+from .integrations.kernels import check_kernel_funcs
 from .integrations.liger import fused_linear_cross_entropy_in_use
 from .integrations.trl import TRL_OFFLOADING_WARNING, is_trl_hooks_module
+from .integrations.upstream import announce, present
 
 logger = logging.getLogger("hf_offload")
 
@@ -583,6 +586,9 @@ def enable_activation_offloading(model: nn.Module, *positional: object, **option
         auto_budget.check_device_memory_readable()
     target = unwrap_model(model)
     _adapter, layers = resolve_layers(target)  # raises before anything is changed
+    check_kernel_funcs(target)
+    if "trl" in sys.modules and not present("trl.offloading_hooks"):  # TRL's own offloading goes unnoticed
+        announce("trl.offloading_hooks")
     controller: _Controller | None = target.__dict__.get(MODEL_STATE_ATTR)
     if controller is None:
         controller = _Controller(target, parsed)

@@ -135,11 +135,43 @@ def rebind(module: nn.Module, wrapper: Callable, state_attr: str) -> None:
     module.forward = InstanceForward(wrapper, module, state_attr)
 
 
+def dropped(module: nn.Module) -> bool:
+    """Whether the module's instance-level forward is one that reaches no wrapper installed before
+    it: none at all (deleted), or a class's own `forward` bound to the module. That is what kernels'
+    `kernelize` leaves (transformers >= 5.25 runs it at every train() / eval() that changes the
+    mode; `integrations.kernels`), and Liger's instance patches. Not a wrapper that keeps the one it
+    wraps (accelerate's hooks, a closure)."""
+    current = module.__dict__.get("forward")
+    if current is None:
+        return True
+    if not isinstance(current, types.MethodType) or current.__self__ is not module:
+        return False
+    function = current.__func__
+    # A class's own `forward` (qualname "RMSNorm.forward"), not a closure made around another one.
+    return function.__name__ == "forward" and "<locals>" not in function.__qualname__
+
+
+def reinstate(module: nn.Module, wrapper: Callable, state_attr: str) -> bool:
+    """Put `wrapper` back on top of a module whose forward was replaced by one that dropped ours
+    (`dropped`): ours then wraps what replaced it. True when it did; False when ours is in place,
+    or absent, or another wrapper holds it."""
+    state = module.__dict__.get(state_attr)
+    if state is None or wraps(module, wrapper) or not dropped(module):
+        return False
+    state.previous_forward = module.__dict__.get("forward")
+    rebind(module, wrapper, state_attr)
+    return True
+
+
 def remove(module: nn.Module, wrapper: Callable, state_attr: str) -> bool:
     """Put back what `wrapper` replaced and delete its state (True); with another wrapper on top
-    of ours, keep ours as a pass-through (`state.active = False`) and return False."""
+    of ours, keep ours as a pass-through (`state.active = False`) and return False. Where ours
+    was dropped (`dropped`: kernelize), the forward that replaced it stays and our state goes."""
     state = module.__dict__.get(state_attr)
     if state is None:
+        return True
+    if dropped(module):
+        delattr(module, state_attr)
         return True
     if not wraps(module, wrapper):
         state.active = False

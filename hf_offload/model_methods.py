@@ -63,6 +63,18 @@ class _ModelProperty(_ModelMethod):
         return self.function().__doc__
 
 
+def _add_methods_to(module) -> None:
+    """The methods on the module's PreTrainedModel; where transformers no longer defines it there,
+    said once (the functions of hf_offload work on any model as they do)."""
+    model_class = getattr(module, "PreTrainedModel", None)
+    if model_class is None:
+        from .integrations.upstream import announce
+
+        announce("transformers.pretrained_model")
+        return
+    _add_methods(model_class)
+
+
 def _add_methods(model_class: type) -> None:
     for name in METHODS:
         setattr(model_class, name, _ModelMethod(name))
@@ -85,7 +97,7 @@ class _AddMethodsAfterExecution(Loader):
         if module.__spec__ is not None:
             module.__spec__.loader = self.loader
         self.loader.exec_module(module)
-        _add_methods(module.PreTrainedModel)
+        _add_methods_to(module)
 
     def __getattr__(self, name: str):
         return getattr(self.loader, name)
@@ -124,7 +136,7 @@ def install() -> None:
     """Add the methods to `PreTrainedModel` now if transformers has defined it, and whenever
     `transformers.modeling_utils` executes. Idempotent."""
     module = sys.modules.get(MODULE)
-    if module is not None and hasattr(module, "PreTrainedModel"):
+    if module is not None and hasattr(module, "PreTrainedModel"):  # else: still executing, or without it
         _add_methods(module.PreTrainedModel)
     # By class name: after importlib.reload of this module the class is a new object.
     if not any(type(finder).__name__ == ModelMethodsFinder.__name__ for finder in sys.meta_path):

@@ -343,8 +343,18 @@ def scenario_zero3(tiling: bool = False) -> dict:
     in backward. Besides parity, this records how many gathered weights are still alive between
     forward and backward: with nothing holding them, none."""
     import deepspeed
+
+    # The modeling module first, as from_pretrained and from_config resolve the class before entering
+    # zero.Init: one first imported inside zero.Init loses the __init__ kernels' use_kernelized_func
+    # gave its attention class (transformers >= 5.25) when zero.Init exits, and every model built
+    # after that fails at its first forward, with or without hf_offload (check_kernel_funcs says so).
+    import transformers.models.llama.modeling_llama  # noqa: F401
     from deepspeed.utils import safe_get_full_grad
     from torch.multiprocessing.reductions import StorageWeakRef
+    from transformers.utils import is_kernels_available
+
+    from hf_offload.instance_forward import dropped
+    from hf_offload.tiling import per_token
 
     config = {
         "train_micro_batch_size_per_gpu": 2,
@@ -361,6 +371,8 @@ def scenario_zero3(tiling: bool = False) -> dict:
         "zero_allow_untested_optimizer": True,
     }
 
+    taken_off: list[int] = []  # per tiled run: how many tiled modules kernelize took the wrapper off
+
     def run(offload: bool, tiled: bool = False):
         with deepspeed.zero.Init(config_dict_or_path=config):
             model = tiny_model("llama", seed=0)
@@ -368,6 +380,12 @@ def scenario_zero3(tiling: bool = False) -> dict:
             hf_offload.enable_sequence_tiling(model, tile_tokens=TILE)
         if offload:
             enable_sim(model)
+        if is_kernels_available():
+            # transformers' hub kernels on, as from_pretrained has them by default from 5.25: kernelize
+            # takes tiling's wrapper off the norms, which must still run a slice at a time under ZeRO-3.
+            model.set_use_kernels(True)
+            if tiled:
+                taken_off.append(sum(dropped(m) for m in model.modules() if per_token.is_tiled(m)))
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
         gathered: list[StorageWeakRef] = []
         names = {module: name for name, module in model.named_modules()}
@@ -435,6 +453,7 @@ def scenario_zero3(tiling: bool = False) -> dict:
             untiled_calls_per_step=untiled_calls,
             gathered_alive_plain=tiled_alive,
             gathered_alive_offloaded=alive,
+            kernelize_took_off=taken_off,
         )
         return result
     plain_run, _, plain_alive, count, _ = run(offload=False)

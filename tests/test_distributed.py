@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from transformers.utils import is_kernels_available
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -232,6 +233,9 @@ def test_zero3_hooks_of_a_tiled_module_run_once_per_pass(zero3):
     not chained into the loss head: it runs as a tiled module of its own."""
     slices = 3
     for result in zero3["zero3_tiling"]:
+        # With transformers' hub kernels on (transformers >= 5.25), kernelize took the wrapper off the
+        # tiled norms, which still run twice per step: tiling put it back.
+        assert all(result["kernelize_took_off"]) or not is_kernels_available()
         calls = result["calls_per_step"]
         assert set(calls) == set(result["untiled_calls_per_step"])
         assert set(result["untiled_calls_per_step"].values()) == {1}

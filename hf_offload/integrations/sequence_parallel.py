@@ -48,6 +48,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .upstream import announce, present, resolve
+
 IGNORE_INDEX = -100
 # Attention implementations Ulysses wraps (a hub kernel "org/name" too); eager needs the 4-D mask.
 ULYSSES_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
@@ -141,10 +143,12 @@ def torch_context_parallel_active() -> bool:
     """Whether torch's context parallelism (`context_parallel`, accelerate's `cp_size`, TRL's
     `parallelism_config_cp_size`) has replaced `torch.nn.functional.scaled_dot_product_attention`
     with its ring dispatcher in this process: inside its context, each rank's sequence is already
-    a shard of the whole."""
+    a shard of the whole. (Not imported here: where it never was, it is not on. A torch private
+    name, out of the upstream inventory as torch's are: tests/test_context_parallel.py holds it.)"""
     attention = sys.modules.get(_TORCH_CONTEXT_PARALLEL)
-    replaced = getattr(attention, "_replaced_functions", None) or {}
-    return torch.nn.functional.scaled_dot_product_attention in replaced
+    if attention is None:
+        return False
+    return torch.nn.functional.scaled_dot_product_attention in attention._replaced_functions
 
 
 def _check_not_context_parallel() -> None:
@@ -183,9 +187,12 @@ def _check_accelerate_processes(world_size: int) -> None:
     """accelerate (and so the Trainer) shards its loader over the processes it counts. On the CPU
     it counts one unless told it runs there, and every rank then gets the whole dataset: with
     Ulysses training every rank's batch in turn, each row would be trained once per rank."""
-    state = sys.modules.get("accelerate.state")
-    shared = getattr(getattr(state, "PartialState", None), "_shared_state", None) or {}
-    counted = shared.get("num_processes")
+    if "accelerate.state" not in sys.modules:  # accelerate has counted nothing
+        return
+    if not present("accelerate.shared_state"):
+        announce("accelerate.shared_state")
+        return
+    counted = (resolve("accelerate.shared_state") or {}).get("num_processes")
     if not isinstance(counted, int) or world_size <= 1 or counted == world_size:
         return
     raise ValueError(
@@ -229,6 +236,7 @@ def _check_model(model: object, sp_size: int) -> str:
             f"model: {valid or 'none'}"
         )
     # A config not yet given to a model has none resolved: transformers' default is sdpa.
+    resolve("transformers.attn_implementation")
     implementation = getattr(config, "_attn_implementation", None) or "sdpa"
     if implementation not in ULYSSES_ATTENTION and not _HUB_KERNEL.match(str(implementation)):
         raise ValueError(
@@ -321,9 +329,7 @@ def _shift_labels(batch: dict) -> torch.Tensor:
 
 
 def _sp_group():
-    from deepspeed.runtime.sequence_parallel import parallel_state_sp
-
-    group = getattr(parallel_state_sp, "_SEQUENCE_PARALLEL_GROUP", None)
+    group = resolve("deepspeed.sequence_parallel_group")
     if group is None:
         raise RuntimeError(
             "no sequence-parallel group: call register_ulysses(model, sp_size) first (accelerate and the "
@@ -593,7 +599,6 @@ def register_ulysses(model: nn.Module, sp_size: int, micro_batch_size: int = 1) 
             "torch.distributed.init_process_group() (or deepspeed.init_distributed()) before register_ulysses"
         )
     from deepspeed import comm as deepspeed_comm
-    from deepspeed.runtime.sequence_parallel import parallel_state_sp
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
     if not deepspeed_comm.is_initialized():  # DeepSpeed's view of the process group torch already has
@@ -601,7 +606,7 @@ def register_ulysses(model: nn.Module, sp_size: int, micro_batch_size: int = 1) 
     implementation = check_sequence_parallel(model, sp_size)
     unregister_ulysses()
 
-    if getattr(parallel_state_sp, "_SEQUENCE_PARALLEL_GROUP", None) is not None:
+    if resolve("deepspeed.sequence_parallel_group") is not None:
         raise RuntimeError(
             "Ulysses is already registered in this process, not by register_ulysses (accelerate's prepare or the "
             "Trainer with ParallelismConfig(sp_backend='deepspeed') do it themselves): use the group they made, "
@@ -652,18 +657,21 @@ def adopt_ulysses(implementation: str) -> None:
     attention module is tiled over heads (`hf_offload.tiling.ulysses_heads`), and as DeepSpeed
     runs it for every other call. Called by tiling before each call of a tiled attention block,
     so that a registration made after tiling was enabled is found too; cheap once done."""
-    ulysses_sp = sys.modules.get(ULYSSES_MODULE)
-    if ulysses_sp is None:
+    if ULYSSES_MODULE not in sys.modules:
         return
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    wrapper = _local_mapping(ALL_ATTENTION_FUNCTIONS).get(implementation)
+    wrapper = resolve("transformers.local_attention_functions").get(implementation)
     if wrapper is None or getattr(wrapper, "_hf_offload_adopted", False):
         return
     wrapper._hf_offload_adopted = True  # looked at once per registration
-    instance = _ulysses_of(wrapper, ulysses_sp.UlyssesSPAttentionHF)
-    if instance is None:
+    if getattr(wrapper, "__module__", None) != ULYSSES_MODULE:
         return  # not DeepSpeed's registration (someone's own override): left as it is
+    if not present("deepspeed.ulysses_attention"):
+        announce("deepspeed.ulysses_attention")
+        return
+    instance = _ulysses_of(wrapper, resolve("deepspeed.ulysses_attention"))
+    if instance is None:  # DeepSpeed's wrapper, holding its attention some other way
+        announce("deepspeed.ulysses_attention")
+        return
     instance.forward = types.MethodType(_forward_in_head_chunks, instance)
     _ADOPTED[instance] = weakref.ref(wrapper)
 
@@ -716,21 +724,29 @@ def _forward_in_head_chunks(self, module: nn.Module, query, key, value, attentio
     gathered = [torch.empty_like(positions) for _ in range(self.world_size)]
     torch.distributed.all_gather(gathered, positions.contiguous(), group=self.process_group)
     kwargs["position_ids"] = torch.cat(gathered, dim=1)
-    ulysses_sp = sys.modules[ULYSSES_MODULE]
+    return attention_in_head_chunks(
+        module, query, key, value, None, plan=plan, exchange=deepspeed_exchange(self.process_group), core=self.attn,
+        **kwargs,
+    )
+
+
+def deepspeed_exchange(group):
+    """DeepSpeed's all-to-all over dimension 0 on `group` (its op with its own gradient, the same
+    exchange in reverse), as Ulysses's attention calls it: looked up at each call, where DeepSpeed's
+    own forward looks it up too."""
+    resolve("deepspeed.all_to_all")
 
     def exchange(buffer: torch.Tensor) -> torch.Tensor:
-        return ulysses_sp._dim_zero_all_to_all(self.process_group, buffer)
+        return resolve("deepspeed.all_to_all")(group, buffer)
 
-    return attention_in_head_chunks(
-        module, query, key, value, None, plan=plan, exchange=exchange, core=self.attn, **kwargs
-    )
+    return exchange
 
 
 def _local_mapping(functions) -> dict:
     """transformers' ALL_ATTENTION_FUNCTIONS keeps a mapping of its own in front of the class-wide
     one (`AttentionInterface.register`): item assignment writes there, and shadows the class-wide
     entry from then on."""
-    return getattr(functions, "_local_mapping", {})
+    return resolve("transformers.local_attention_functions")
 
 
 def _restore_local(functions, implementation: str, local) -> None:
@@ -746,10 +762,10 @@ def _attention_as_registered(implementation: str, local):
     """The attention function `implementation` names, looked up at each call: the instance
     mapping's entry that was there before Ulysses, else the class-wide one (where hf_offload's
     head tiling, or anyone's `AttentionInterface.register`, puts theirs)."""
-    from transformers.modeling_utils import AttentionInterface
+    registry = resolve("transformers.attention_registry")
 
     def attention(*args, **kwargs):
-        function = local if local is not _ABSENT else AttentionInterface._global_mapping[implementation]
+        function = local if local is not _ABSENT else registry[implementation]
         return function(*args, **kwargs)
 
     attention.__name__ = f"{implementation}_as_registered"
@@ -783,12 +799,10 @@ def unregister_ulysses() -> None:
     registered."""
     if not _REGISTERED:
         return
-    from deepspeed.runtime.sequence_parallel import parallel_state_sp
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     _restore_local(ALL_ATTENTION_FUNCTIONS, _REGISTERED["implementation"], _REGISTERED["local"])
-    with contextlib.suppress(AttributeError):
-        parallel_state_sp._release_sequence_parallel_groups()
+    resolve("deepspeed.release_groups")()
     _REGISTERED.clear()
 
 

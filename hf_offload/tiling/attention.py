@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..integrations.upstream import resolve
 from .replay import splits
 
 logger = logging.getLogger("hf_offload")
@@ -98,10 +99,8 @@ def _why_not_reached(block: nn.Module) -> str:
     """Why a block's call never reached the tiled functions: ALL_ATTENTION_FUNCTIONS's own mapping
     shadows the registry's entry for its implementation (DeepSpeed's Ulysses registers itself
     there, around the function it found), or the model computes attention itself."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
     implementation = getattr(getattr(block, "config", None), "_attn_implementation", None)
-    if implementation in getattr(ALL_ATTENTION_FUNCTIONS, "_local_mapping", {}):
+    if implementation in resolve("transformers.local_attention_functions"):
         return (
             f"transformers' attention function for {implementation!r} was replaced in ALL_ATTENTION_FUNCTIONS by "
             "one that does not call the tiled one (as DeepSpeed's Ulysses registration does, around the function "
@@ -120,9 +119,7 @@ _live: weakref.WeakSet[HeadTiling] = weakref.WeakSet()
 
 
 def _registry():
-    from transformers.modeling_utils import AttentionInterface
-
-    return AttentionInterface._global_mapping
+    return resolve("transformers.attention_registry")
 
 
 def _wrap_registry() -> None:

@@ -401,6 +401,12 @@ def install(module: nn.Module, tile_tokens: int) -> None:
     instance_forward.install(module, tiled_forward, STATE_ATTR, lambda previous: _Slot(tile_tokens, previous))
 
 
+def reinstate(module: nn.Module) -> bool:
+    """Tiling's wrapper back on a module whose forward kernels' `kernelize` replaced since (a hub
+    kernel's, or the class's again: `integrations.kernels`); the slices then run what it chose."""
+    return instance_forward.reinstate(module, tiled_forward, STATE_ATTR)
+
+
 def uninstall(module: nn.Module) -> None:
     instance_forward.remove(module, tiled_forward, STATE_ATTR)
     projections = module.__dict__.get(PROJECTIONS_ATTR)
