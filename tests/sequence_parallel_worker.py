@@ -415,18 +415,20 @@ def scenario_accelerate() -> dict:
         sp.check_sequence_parallel(model, SP)
         engine, optimizer, loader = accelerator.prepare(model, DummyOptim(model.parameters()), loader)
         losses, grads, batches = [], [], []
-        for batch in loader:
-            batch = {k: v.to(accelerator.device).contiguous() for k, v in batch.items()}
-            batches.append(whole(batch))
-            loss = sp.sequence_parallel_loss(engine, batch)
-            accelerator.backward(loss)
-            grads.append({n: safe_get_full_grad(p).clone() for n, p in model.named_parameters()})
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss.detach().clone())
+        with CountedExchange() as exchanges:
+            for batch in loader:
+                batch = {k: v.to(accelerator.device).contiguous() for k, v in batch.items()}
+                batches.append(whole(batch))
+                loss = sp.sequence_parallel_loss(engine, batch)
+                accelerator.backward(loss)
+                grads.append({n: safe_get_full_grad(p).clone() for n, p in model.named_parameters()})
+                optimizer.step()
+                optimizer.zero_grad()
+                losses.append(loss.detach().clone())
         name = type(engine).__name__
         accelerator.free_memory()
         engine.destroy()
+        EXCHANGES["accelerate"] = exchanges.calls
         return (losses, grads), model, name, batches
 
     plain, _, _, batches = run(offload=False)
@@ -434,7 +436,8 @@ def scenario_accelerate() -> dict:
     restore_attention()
     ref_losses, ref_grads, _ = reference_on(batches, lambda: build(torch.float32, **recipe))
     result = differences((ref_losses, ref_grads), plain)
-    result.update(offloaded_identical=identical(plain, offloaded), stats=stats_of(model), engine=engine_name)
+    result.update(offloaded_identical=identical(plain, offloaded), stats=stats_of(model), engine=engine_name,
+                  exchanges=EXCHANGES.pop("accelerate"))  # fmt: skip
     return result
 
 
@@ -498,7 +501,9 @@ def scenario_trainer(trl: bool = False) -> dict:
             from transformers import Trainer, TrainingArguments
 
             trainer = recording(Trainer)(model=model, args=TrainingArguments(**options), train_dataset=Rows(8))
-        trainer.train()
+        with CountedExchange() as exchanges:
+            trainer.train()
+        EXCHANGES["trainer"] = exchanges.calls
         losses = [torch.tensor(h["loss"]) for h in trainer.state.log_history if "loss" in h]
         return losses, gathered_weights(model), model, batches
 
@@ -519,6 +524,7 @@ def scenario_trainer(trl: bool = False) -> dict:
         "offloaded_identical": [float(x) for x in losses] == [float(x) for x in plain_losses]
         and all(torch.equal(weights[n], plain_weights[n]) for n in weights),
         "stats": stats_of(model),
+        "exchanges": EXCHANGES.pop("trainer"),
     }
 
 
@@ -646,6 +652,8 @@ def scenario_late_tiling() -> dict:
     return result
 
 
+# DeepSpeed's all-to-alls counted in the last accelerate or Trainer run (the offloaded run's, the same).
+EXCHANGES: dict[str, int] = {}
 # Grouped-query ratios (query heads per key/value head) of the head-chunk scenarios: 8 query heads
 # of head_dim 4, so that 2 and 4 ranks split them; 8 key/value heads, 2 and 1.
 HEAD_SHAPES = {1: {"num_key_value_heads": 8}, 4: {"num_key_value_heads": 2}, 8: {"num_key_value_heads": 1}}

@@ -18,6 +18,10 @@ from test_distributed import NPROC, launch
 
 from hf_offload.integrations import sequence_parallel as sp
 
+# The tiny Llama's 4 query heads and 2 key/value heads on 2 ranks, attention tiled over heads under
+# accelerate's and the Trainer's Ulysses: per attention call 2 query chunks, the key, the value and 2
+# output chunks (DeepSpeed's call: 4), in forward and the recompute, 3 layers, 4 micro-batches.
+CHUNKED_EXCHANGES = (2 + 2 + 2) * 2 * 3 * 4
 LAUNCH_TIMEOUT = 600  # seconds: a hang's guard (the suite's machine is shared; the launches take 1-3 min)
 # float64 runs: the gradients agree to rounding; the loss, which transformers computes in float32,
 # to float32's. float32 runs (DeepSpeed): both to float32's.
@@ -133,11 +137,13 @@ def test_zero1_gradients_would_be_sp_size_times_too_large_without_the_engine_che
 def test_sequence_parallel_through_accelerate(runs):
     """Accelerator(parallelism_config=ParallelismConfig(sp_backend="deepspeed", sp_size=2)) with a
     ZeRO-3 plugin: prepare registers Ulysses and adapts the loader, sequence_parallel_loss finds
-    DeepSpeed's SP group; checkpointing and tiling, offloading on top bit-identical."""
+    DeepSpeed's SP group; checkpointing and tiling (query heads a chunk at a time through the
+    exchange, under the registration accelerate made), offloading on top bit-identical."""
     ranks = runs["accelerate"]
     assert_matches_one_process(ranks, FLOAT32_GRAD)
     assert_offloading_bit_identical(ranks)
     assert all(result["engine"] == "DeepSpeedEngine" for result in ranks)
+    assert all(result["exchanges"] == CHUNKED_EXCHANGES for result in ranks)
 
 
 @pytest.mark.parametrize("scenario", ["trainer", "trl"])
@@ -145,14 +151,16 @@ def test_sequence_parallel_through_the_trainer_and_trl(runs, scenario):
     """TrainingArguments / SFTConfig(deepspeed=ZeRO-3, parallelism_config=...): the Trainer (or TRL's
     SFTTrainer) registers Ulysses, adapts its loader and sums the ranks' losses. With our
     checkpoint offload and tiling (TRL: its fused LM head computes the loss, the layers' parts
-    are tiled): the logged losses and the final weights match one process on the same whole
-    micro-batches, and offloading on top is bit-identical."""
+    are tiled; the query heads a chunk at a time through the exchange the Trainer registered):
+    the logged losses and the final weights match one process on the same whole micro-batches,
+    and offloading on top is bit-identical."""
     for result in runs[scenario]:
         assert "error" not in result, result.get("traceback")
         assert result["steps"] == result["micro_batches"] == 4
         assert result["loss_rel"] < LOSS, (result["losses"], result["reference_losses"])
         assert result["weights_rel"] < FLOAT32_GRAD, result["worst"]
         assert_offloading_bit_identical([result])
+        assert result["exchanges"] == CHUNKED_EXCHANGES
 
 
 def test_batches_ulysses_would_train_on_differently_are_refused_on_every_rank(runs):

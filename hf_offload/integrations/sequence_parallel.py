@@ -29,6 +29,11 @@ What this module adds to DeepSpeed's pieces, for a custom loop:
   labelled tokens, and sums the ranks' parts: the loss one process would report on the whole
   sequence, whose backward, averaged over the ranks as DDP, FSDP and DeepSpeed average gradients,
   is that process's gradient. Tiled or not, the loss head honours both.
+- `adopt_ulysses` (called by sequence tiling before each call of a tiled attention block): under
+  any Ulysses registration, the rank's query heads go through the exchange a chunk at a time where
+  attention is tiled over heads (`hf_offload.tiling.ulysses_heads`), with the bytes DeepSpeed
+  sends; every other call runs DeepSpeed's own forward. Refused while torch's context parallelism
+  is on (both would split the sequence).
 
 DeepSpeed is imported only when one of these is called (`pip install "hf-offload[sp]"`).
 """
