@@ -270,6 +270,68 @@ def test_the_multi_gpu_script_runs_on_the_cpu(runs):
         assert result["written"] is (True if rank == 0 else None)
 
 
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_query_heads_a_chunk_at_a_time_through_the_exchange_match_one_process(request, ranks):
+    """Attention tiled over heads under Ulysses: each rank's query heads go through the all-to-all
+    a chunk at a time (one query head per chunk, as tiling chooses, and 2 where a rank has more),
+    at grouped-query ratios 1, 4 and 8 (at ratio 8, and at 4 on 4 ranks, fewer key/value heads
+    than ranks), without checkpointing and with reentrant and non-reentrant checkpointing, in
+    float64: loss and gradients of one process. It is chunked (more collectives than DeepSpeed's
+    call) and sends the bytes DeepSpeed's call sends, each key/value head once per pass; with
+    offloading on top (2 ranks), bit-identical."""
+    if ranks == 2:
+        results, checkpointing = request.getfixturevalue("runs")["head_chunks"], ("none", "reentrant", "non_reentrant")
+    else:  # without checkpointing on 2 ranks only: 4 processes on the suite's 2 cores are slow
+        results, checkpointing = request.getfixturevalue("runs_on_four")["head_chunks_checkpointed"], CHECKPOINTED
+    assert len(results) == ranks
+    for rank, result in enumerate(results):
+        assert "error" not in result, result.get("traceback")
+        configs = {name: config for name, config in result.items() if name != "seconds"}
+        expected = {f"ratio {r}, {c}, tile_heads None" for r in (1, 4, 8) for c in checkpointing}
+        if ranks == 2:
+            expected |= {f"ratio {r}, non_reentrant, tile_heads 2" for r in (1, 4, 8)}
+        assert set(configs) == expected
+        for name, config in configs.items():
+            where = f"rank {rank}, {name}"
+            assert config["steps"] == 2 * ranks and config["same_grad_names"], where  # 2 batches per rank
+            assert config["loss_rel"] < LOSS, (where, config["losses"], config["reference_losses"])
+            assert config["grad_rel"] < FLOAT64_GRAD, (where, config["worst"], config["grad_rel"])
+            assert config["exchanges"] > config["deepspeed_exchanges"], where  # chunked, not DeepSpeed's call
+            # Counted in forward and in the recompute (once per pass): without checkpointing, one pass of two.
+            passes = 1 if ", none," in name else 2
+            assert config["sent_bytes"] * 2 == config["deepspeed_sent_bytes"] * passes, where
+            if "offloaded_identical" in config:
+                assert config["offloaded_identical"], where
+        assert any("offloaded_identical" in config for config in configs.values()) == (ranks == 2)
+
+
+def test_the_chunked_exchange_gives_the_gradient_of_the_reported_loss(runs):
+    """transformers reports the loss in float32: along a random direction of the weights, the
+    chunked run's directional derivative is the central difference of the loss the SP group
+    reports (ratio 4, one query head per chunk, non-reentrant checkpointing)."""
+    for result in runs["head_chunks_finite_difference"]:
+        assert "error" not in result, result.get("traceback")
+        assert result["rel"] < 0.01, result
+
+
+def test_chunks_attending_with_the_wrong_key_values_are_caught(runs):
+    """Companion of the parity above: every chunk attending with its rank's first key/value head
+    (a head kept past its query heads) trains on another gradient, and the comparison sees it."""
+    for result in runs["head_chunks_wrong_key_values"]:
+        assert "error" not in result, result.get("traceback")
+        assert result["grad_rel"] > 0.05 and result["loss_rel"] > 1e-4, result
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_padding_is_refused_with_chunked_heads_as_without(request, ranks):
+    """Left padding (which Ulysses, dropping the mask, would attend to) is refused by Ulysses.adapt
+    with attention tiled over heads as without; a sequence padded at its end to a multiple of the
+    ranks trains (the 15-token batches of the parity runs)."""
+    for result in request.getfixturevalue("runs" if ranks == 2 else "runs_on_four")["head_chunks_refusal"]:
+        assert "error" not in result, result.get("traceback")
+        assert result["left_padding"].startswith("ValueError") and "pad on the right" in result["left_padding"]
+
+
 # --- bad input, in this process ---------------------------------------------------------------
 
 
