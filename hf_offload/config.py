@@ -205,6 +205,12 @@ class TilingOptions:
         intermediates are then about as large as a weight matrix), the loss head as many as keep
         a slice's logits within 2**28 elements (about 2,000 tokens of a 128k vocabulary).
         Sequences no longer than one slice are not tiled.
+    tile_heads: query heads per piece of attention tiled over heads: a multiple of the query heads
+        per key/value head (whole key/value heads with their query heads) or a divisor of it
+        (pieces of one key/value head's query heads, which share it). None (the default): a group
+        of key/value heads at a time (at most 8 groups); under DeepSpeed's Ulysses, where each
+        rank's attention runs over the whole sequence, its query heads a chunk at a time through
+        the exchange, as few per chunk as make at most 8 chunks (docs/sequence_parallel.md).
     """
 
     mlp: bool = True
@@ -213,12 +219,20 @@ class TilingOptions:
     attention: bool = True
     loss: bool = True
     tile_tokens: int | None = None
+    tile_heads: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("mlp", "norms", "projections", "attention", "loss"):
             _require_bool(name, getattr(self, name))
         if self.tile_tokens is not None:
             _require_int("tile_tokens", self.tile_tokens, minimum=1, or_none=True)
+        if self.tile_heads is not None:
+            _require_int("tile_heads", self.tile_heads, minimum=1, or_none=True)
+            if not self.attention:
+                raise ValueError(
+                    f"tile_heads={self.tile_heads} sizes the pieces of attention tiled over heads, and attention=False "
+                    "turns that off: drop tile_heads, or set attention=True"
+                )
         if not (self.mlp or self.norms or self.projections or self.attention or self.loss):
             raise ValueError(
                 "sequence tiling with every part off (mlp, norms, projections, attention, loss) tiles nothing; "

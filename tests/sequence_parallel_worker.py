@@ -415,18 +415,20 @@ def scenario_accelerate() -> dict:
         sp.check_sequence_parallel(model, SP)
         engine, optimizer, loader = accelerator.prepare(model, DummyOptim(model.parameters()), loader)
         losses, grads, batches = [], [], []
-        for batch in loader:
-            batch = {k: v.to(accelerator.device).contiguous() for k, v in batch.items()}
-            batches.append(whole(batch))
-            loss = sp.sequence_parallel_loss(engine, batch)
-            accelerator.backward(loss)
-            grads.append({n: safe_get_full_grad(p).clone() for n, p in model.named_parameters()})
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss.detach().clone())
+        with CountedExchange() as exchanges:
+            for batch in loader:
+                batch = {k: v.to(accelerator.device).contiguous() for k, v in batch.items()}
+                batches.append(whole(batch))
+                loss = sp.sequence_parallel_loss(engine, batch)
+                accelerator.backward(loss)
+                grads.append({n: safe_get_full_grad(p).clone() for n, p in model.named_parameters()})
+                optimizer.step()
+                optimizer.zero_grad()
+                losses.append(loss.detach().clone())
         name = type(engine).__name__
         accelerator.free_memory()
         engine.destroy()
+        EXCHANGES["accelerate"] = exchanges.calls
         return (losses, grads), model, name, batches
 
     plain, _, _, batches = run(offload=False)
@@ -434,7 +436,8 @@ def scenario_accelerate() -> dict:
     restore_attention()
     ref_losses, ref_grads, _ = reference_on(batches, lambda: build(torch.float32, **recipe))
     result = differences((ref_losses, ref_grads), plain)
-    result.update(offloaded_identical=identical(plain, offloaded), stats=stats_of(model), engine=engine_name)
+    result.update(offloaded_identical=identical(plain, offloaded), stats=stats_of(model), engine=engine_name,
+                  exchanges=EXCHANGES.pop("accelerate"))  # fmt: skip
     return result
 
 
@@ -498,7 +501,9 @@ def scenario_trainer(trl: bool = False) -> dict:
             from transformers import Trainer, TrainingArguments
 
             trainer = recording(Trainer)(model=model, args=TrainingArguments(**options), train_dataset=Rows(8))
-        trainer.train()
+        with CountedExchange() as exchanges:
+            trainer.train()
+        EXCHANGES["trainer"] = exchanges.calls
         losses = [torch.tensor(h["loss"]) for h in trainer.state.log_history if "loss" in h]
         return losses, gathered_weights(model), model, batches
 
@@ -519,6 +524,7 @@ def scenario_trainer(trl: bool = False) -> dict:
         "offloaded_identical": [float(x) for x in losses] == [float(x) for x in plain_losses]
         and all(torch.equal(weights[n], plain_weights[n]) for n in weights),
         "stats": stats_of(model),
+        "exchanges": EXCHANGES.pop("trainer"),
     }
 
 
@@ -644,6 +650,146 @@ def scenario_late_tiling() -> dict:
     result = differences(ref, sp_train(model, model, ulysses))
     result["head_tiled_calls"] = getattr(model.model.layers[0].self_attn, HEADS_ATTR).calls
     return result
+
+
+# DeepSpeed's all-to-alls counted in the last accelerate or Trainer run (the offloaded run's, the same).
+EXCHANGES: dict[str, int] = {}
+# Grouped-query ratios (query heads per key/value head) of the head-chunk scenarios: 8 query heads
+# of head_dim 4, so that 2 and 4 ranks split them; 8 key/value heads, 2 and 1.
+HEAD_SHAPES = {1: {"num_key_value_heads": 8}, 4: {"num_key_value_heads": 2}, 8: {"num_key_value_heads": 1}}
+CHECKPOINTING = {"none": None, "reentrant": {"use_reentrant": True}, "non_reentrant": {"use_reentrant": False}}
+
+
+class CountedExchange:
+    """DeepSpeed's all-to-all, counted: calls and bytes sent to other ranks, whoever calls it."""
+
+    def __init__(self) -> None:
+        from deepspeed.runtime.sequence_parallel import ulysses_sp
+
+        self.module, self.original = ulysses_sp, ulysses_sp._dim_zero_all_to_all
+        self.calls = self.sent_bytes = 0
+
+    def __enter__(self):
+        def counted(group, tensor):
+            self.calls += 1
+            self.sent_bytes += tensor.numel() * tensor.element_size() * (SP - 1) // SP
+            return self.original(group, tensor)
+
+        self.module._dim_zero_all_to_all = counted
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.module._dim_zero_all_to_all = self.original
+
+
+def heads_model(ratio: int, checkpointing: str = "none", offload: bool = False, tile_heads=None) -> torch.nn.Module:
+    """A tiny Llama of 8 query heads (head_dim 4) at this grouped-query ratio, tiled (tile_heads:
+    query heads per chunk; None lets tiling choose), with checkpointing as named."""
+    model = tiny_model(
+        "llama", seed=0, use_cache=False, num_attention_heads=8, head_dim=4, **HEAD_SHAPES[ratio]
+    ).to(torch.float64)
+    if CHECKPOINTING[checkpointing] is not None:
+        model.activation_checkpointing_enable(CHECKPOINTING[checkpointing])
+    hf_offload.enable_sequence_tiling(model, tile_tokens=TILE, tile_heads=tile_heads)
+    if offload:
+        enable_sim(model)
+    return model
+
+
+def sp_run(model: torch.nn.Module) -> tuple[tuple[list, list], dict]:
+    """The SP loop on `model` (register_ulysses), with DeepSpeed's all-to-all counted where it is
+    called, in forward and in a checkpoint's recompute (backward's exchanges mirror them: each is
+    the gradient of one of these, through the op's own autograd)."""
+    ulysses = sp.register_ulysses(model, SP, micro_batch_size=ROWS)
+    try:
+        with CountedExchange() as exchange:
+            trained = sp_train(model, model, ulysses)
+    finally:
+        sp.unregister_ulysses()  # the next reference runs on one process's attention
+    return trained, {"exchanges": exchange.calls, "sent_bytes": exchange.sent_bytes}
+
+
+def scenario_head_chunks(modes: tuple[str, ...] = tuple(CHECKPOINTING), offloading: bool = True) -> dict:
+    """Query heads a chunk at a time through Ulysses's exchange (attention tiled over heads, float64),
+    at grouped-query ratios 1, 4 and 8, without checkpointing and with reentrant and non-reentrant
+    checkpointing, the chunks tiling chooses (one query head each) and 2 query heads each: loss
+    and gradients against one process, the all-to-alls' calls and bytes against DeepSpeed's own
+    call (the same model with tile_heads as many as a rank computes: one chunk, DeepSpeed's path).
+    With offloading on top (non-reentrant; `offloading`): bit-identical."""
+    results = {}
+    rank_heads = 8 // SP
+    for ratio in HEAD_SHAPES:
+        ref = reference(lambda ratio=ratio: heads_model(ratio))
+        _, whole = sp_run(heads_model(ratio, "non_reentrant", tile_heads=rank_heads))
+        runs = [(name, None) for name in modes]
+        if rank_heads > 2:
+            runs.append(("non_reentrant", 2))
+        for checkpointing, tile_heads in runs:
+            model = heads_model(ratio, checkpointing, tile_heads=tile_heads)
+            trained, counted = sp_run(model)
+            result = differences(ref, trained)
+            result.update(counted, deepspeed_exchanges=whole["exchanges"], deepspeed_sent_bytes=whole["sent_bytes"])
+            if offloading and (checkpointing, tile_heads) == ("non_reentrant", None):
+                offloaded, _ = sp_run(heads_model(ratio, checkpointing, offload=True))
+                result["offloaded_identical"] = identical(trained, offloaded)
+            results[f"ratio {ratio}, {checkpointing}, tile_heads {tile_heads}"] = result
+    return results
+
+
+def scenario_head_chunks_refusal() -> dict:
+    """Left padding under attention tiled over heads: refused by Ulysses.adapt as without."""
+    model = heads_model(4)
+    ulysses = sp.register_ulysses(model, SP, micro_batch_size=ROWS)
+    ids = ids_for(0, dist.get_rank())
+    left = torch.ones_like(ids)
+    left[:, :3] = 0
+    return {"left_padding": _error(lambda: next(iter(ulysses.adapt([{"input_ids": ids, "labels": ids,
+                                                                     "attention_mask": left}]))))}  # fmt: skip
+
+
+def scenario_head_chunks_finite_difference() -> dict:
+    """The loss the SP group reports is float32 (transformers computes it so): along a random
+    direction of the weights, the chunked run's analytic directional derivative against the
+    central difference of the reported loss (grouped-query ratio 4, one query head per chunk,
+    non-reentrant checkpointing)."""
+    model = heads_model(4, "non_reentrant")
+    ulysses = sp.register_ulysses(model, SP, micro_batch_size=ROWS)
+    batch = next(iter(ulysses.adapt(local_batches())))
+    ulysses.loss(model, batch).backward()
+    grads = averaged(model)
+    generator = torch.Generator().manual_seed(7)
+    direction = {n: torch.randn(p.shape, generator=generator, dtype=p.dtype) for n, p in model.named_parameters()}
+    norm = sum(float((d * d).sum()) for d in direction.values()) ** 0.5
+    analytic = sum(float((grads[n] * direction[n]).sum()) for n in grads) / norm
+    step = 1e-2  # the loss's float32 rounding (~5e-7 of ~4.6) over 2 x step: ~0.3% of the derivative here
+
+    def loss_at(scale: float) -> float:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                param.add_(direction[name], alpha=scale * step / norm)
+            loss = float(ulysses.loss(model, batch))
+            for name, param in model.named_parameters():
+                param.sub_(direction[name], alpha=scale * step / norm)
+            return loss
+
+    numeric = (loss_at(1.0) - loss_at(-1.0)) / (2 * step)
+    return {"analytic": analytic, "numeric": numeric, "rel": abs(analytic - numeric) / abs(numeric)}
+
+
+def scenario_head_chunks_wrong_key_values() -> dict:
+    """Companion: every chunk attending with its rank's first key/value head (the head kept for
+    the next chunks too long), at grouped-query ratio 1 with one query head per chunk: the
+    comparison with one process must see it."""
+    from hf_offload.tiling import ulysses_heads
+
+    ref = reference(lambda: heads_model(1))
+    original = ulysses_heads.HeadChunks.kv_range
+    ulysses_heads.HeadChunks.kv_range = lambda self, chunk: (0, 1)
+    try:
+        trained, _ = sp_run(heads_model(1))
+    finally:
+        ulysses_heads.HeadChunks.kv_range = original
+    return differences(ref, trained)
 
 
 def scenario_attention_registry() -> dict:
@@ -808,15 +954,24 @@ SCENARIOS = {
     "identical_batches": scenario_identical_batches,
     "late_tiling": scenario_late_tiling,
     "attention_registry": scenario_attention_registry,
+    "head_chunks": scenario_head_chunks,
+    "head_chunks_checkpointed": lambda: scenario_head_chunks(modes=("reentrant", "non_reentrant"), offloading=False),
+    "head_chunks_refusal": scenario_head_chunks_refusal,
+    "head_chunks_finite_difference": scenario_head_chunks_finite_difference,
+    "head_chunks_wrong_key_values": scenario_head_chunks_wrong_key_values,
     "docs_recipes": scenario_docs_recipes,
     "gpu_multi_smoke": scenario_gpu_multi_smoke,
 }
 
 
+# Run only when named (the 4-rank launch): the 2-rank launch runs head_chunks, a superset.
+NAMED_ONLY = frozenset({"head_chunks_checkpointed"})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--scenarios", default=",".join(SCENARIOS))
+    parser.add_argument("--scenarios", default=",".join(name for name in SCENARIOS if name not in NAMED_ONLY))
     args = parser.parse_args()
     global OUT, SP
     OUT = os.path.abspath(args.out)

@@ -33,14 +33,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def torchrun(script: Path, *args: str, timeout: int = TIMEOUT, env: dict | None = None) -> subprocess.CompletedProcess:
+def torchrun(
+    script: Path, *args: str, timeout: int = TIMEOUT, env: dict | None = None, nproc: int = NPROC
+) -> subprocess.CompletedProcess:
     command = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",  # a single node; the rendezvous binds a free port itself
         "--nproc-per-node",
-        str(NPROC),
+        str(nproc),
         str(script),
         *args,
     ]
@@ -48,12 +50,14 @@ def torchrun(script: Path, *args: str, timeout: int = TIMEOUT, env: dict | None 
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
 
 
-def launch(script: str, out: Path, *args: str, env: dict | None = None) -> dict[str, list[dict]]:
-    """Run a worker script under torchrun; what it wrote: {scenario: [rank 0's result, rank 1's]}."""
-    result = torchrun(TESTS / script, "--out", str(out), *args, env=env)
+def launch(
+    script: str, out: Path, *args: str, env: dict | None = None, nproc: int = NPROC, timeout: int = TIMEOUT
+) -> dict[str, list[dict]]:
+    """Run a worker script under torchrun; what it wrote: {scenario: [rank 0's result, rank 1's, ...]}."""
+    result = torchrun(TESTS / script, "--out", str(out), *args, env=env, nproc=nproc, timeout=timeout)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     data = json.loads(out.read_text())
-    assert data["world_size"] == NPROC
+    assert data["world_size"] == nproc
     by_scenario: dict[str, list[dict]] = {}
     for rank in sorted(data["ranks"], key=lambda r: r["rank"]):
         for name, scenario in rank["results"].items():

@@ -18,6 +18,11 @@ from test_distributed import NPROC, launch
 
 from hf_offload.integrations import sequence_parallel as sp
 
+# The tiny Llama's 4 query heads and 2 key/value heads on 2 ranks, attention tiled over heads under
+# accelerate's and the Trainer's Ulysses: per attention call 2 query chunks, the key, the value and 2
+# output chunks (DeepSpeed's call: 4), in forward and the recompute, 3 layers, 4 micro-batches.
+CHUNKED_EXCHANGES = (2 + 2 + 2) * 2 * 3 * 4
+LAUNCH_TIMEOUT = 600  # seconds: a hang's guard (the suite's machine is shared; the launches take 1-3 min)
 # float64 runs: the gradients agree to rounding; the loss, which transformers computes in float32,
 # to float32's. float32 runs (DeepSpeed): both to float32's.
 FLOAT64_GRAD = 1e-12
@@ -29,7 +34,24 @@ LOSS = 1e-6
 def runs(tmp_path_factory) -> dict[str, list[dict]]:
     pytest.importorskip("deepspeed")
     out = tmp_path_factory.mktemp("sequence_parallel") / "results.json"
-    return launch("sequence_parallel_worker.py", out, env={"DS_ACCELERATOR": "cpu"})
+    # Every scenario in one launch: ~2.5 min on 2 idle cores; the timeout guards against a hang.
+    return launch("sequence_parallel_worker.py", out, env={"DS_ACCELERATOR": "cpu"}, timeout=LAUNCH_TIMEOUT)
+
+
+# The head-chunk scenarios on 4 ranks too (each rank 2 of the 8 query heads; fewer key/value heads
+# than ranks at ratios 4 and 8, repeated as DeepSpeed repeats them): one launch of its own.
+CHECKPOINTED = ("reentrant", "non_reentrant")
+FOUR_RANK_SCENARIOS = "head_chunks_checkpointed,head_chunks_refusal"
+
+
+@pytest.fixture(scope="module")
+def runs_on_four(tmp_path_factory) -> dict[str, list[dict]]:
+    pytest.importorskip("deepspeed")
+    out = tmp_path_factory.mktemp("sequence_parallel_4") / "results.json"
+    return launch(
+        "sequence_parallel_worker.py", out, "--scenarios", FOUR_RANK_SCENARIOS, env={"DS_ACCELERATOR": "cpu"}, nproc=4,
+        timeout=LAUNCH_TIMEOUT,
+    )
 
 
 def assert_matches_one_process(ranks: list[dict], grad_tolerance: float) -> None:
@@ -115,11 +137,13 @@ def test_zero1_gradients_would_be_sp_size_times_too_large_without_the_engine_che
 def test_sequence_parallel_through_accelerate(runs):
     """Accelerator(parallelism_config=ParallelismConfig(sp_backend="deepspeed", sp_size=2)) with a
     ZeRO-3 plugin: prepare registers Ulysses and adapts the loader, sequence_parallel_loss finds
-    DeepSpeed's SP group; checkpointing and tiling, offloading on top bit-identical."""
+    DeepSpeed's SP group; checkpointing and tiling (query heads a chunk at a time through the
+    exchange, under the registration accelerate made), offloading on top bit-identical."""
     ranks = runs["accelerate"]
     assert_matches_one_process(ranks, FLOAT32_GRAD)
     assert_offloading_bit_identical(ranks)
     assert all(result["engine"] == "DeepSpeedEngine" for result in ranks)
+    assert all(result["exchanges"] == CHUNKED_EXCHANGES for result in ranks)
 
 
 @pytest.mark.parametrize("scenario", ["trainer", "trl"])
@@ -127,14 +151,16 @@ def test_sequence_parallel_through_the_trainer_and_trl(runs, scenario):
     """TrainingArguments / SFTConfig(deepspeed=ZeRO-3, parallelism_config=...): the Trainer (or TRL's
     SFTTrainer) registers Ulysses, adapts its loader and sums the ranks' losses. With our
     checkpoint offload and tiling (TRL: its fused LM head computes the loss, the layers' parts
-    are tiled): the logged losses and the final weights match one process on the same whole
-    micro-batches, and offloading on top is bit-identical."""
+    are tiled; the query heads a chunk at a time through the exchange the Trainer registered):
+    the logged losses and the final weights match one process on the same whole micro-batches,
+    and offloading on top is bit-identical."""
     for result in runs[scenario]:
         assert "error" not in result, result.get("traceback")
         assert result["steps"] == result["micro_batches"] == 4
         assert result["loss_rel"] < LOSS, (result["losses"], result["reference_losses"])
         assert result["weights_rel"] < FLOAT32_GRAD, result["worst"]
         assert_offloading_bit_identical([result])
+        assert result["exchanges"] == CHUNKED_EXCHANGES
 
 
 def test_batches_ulysses_would_train_on_differently_are_refused_on_every_rank(runs):
@@ -221,20 +247,89 @@ def test_unregister_ulysses_leaves_the_attention_registry_as_it_was(runs):
 def test_the_multi_gpu_script_runs_on_the_cpu(runs):
     """hf_offload/tools/benchmarks/gpu_multi.py --cpu-smoke (ZeRO-3 with parameters and optimizer
     on the host, Ulysses over both ranks): every mode and length measured, the same losses with
-    our offloading as without, tiling close, the JSON written; the simulator's column says it
-    does not model SP yet."""
+    our offloading as without, tiling close, the tiled mode's query heads a chunk at a time (more
+    all-to-alls than with the rank's heads at once, the same bytes), the JSON written; each row
+    names the estimate command that simulates it."""
     for rank, result in enumerate(runs["gpu_multi_smoke"]):
         assert "error" not in result, result.get("traceback")
         rows = {(row["mode"], row["length"]): row for row in result["rows"]}
-        modes = ("sp", "sp+hf_offload", "sp+hf_offload+tiled")
+        modes = ("sp", "sp+hf_offload", "sp+hf_offload+tiled+whole_heads", "sp+hf_offload+tiled")
         assert set(rows) == {(mode, length) for mode in modes for length in (32, 64)}
         for length in (32, 64):
-            plain, offloaded, tiled = (rows[(mode, length)] for mode in modes)
-            assert all(row["status"] == "ok" and row["step_seconds"] > 0 for row in (plain, offloaded, tiled))
+            plain, offloaded, whole, chunked = (rows[(mode, length)] for mode in modes)
+            assert all(row["status"] == "ok" and row["step_seconds"] > 0 for row in (plain, offloaded, whole, chunked))
             assert offloaded["losses"] == plain["losses"] and offloaded["offloaded_bytes"] > 0
-            assert tiled["losses"] == pytest.approx(plain["losses"], rel=1e-5)
-            assert plain["peak_bytes"] is None and "not modelled yet" in plain["simulated"]  # CPU: no peak
+            for tiled in (whole, chunked):
+                assert tiled["losses"] == pytest.approx(plain["losses"], rel=1e-5)
+            assert chunked["all_to_all_sent_bytes"] == whole["all_to_all_sent_bytes"] > 0
+            assert chunked["all_to_alls"] > whole["all_to_alls"] == plain["all_to_alls"]
+            assert plain["peak_bytes"] is None  # CPU: no peak
+            assert chunked["simulated"].startswith("hf-offload estimate --preset tiny ")
+            assert "--sp 2 --seq-len" in chunked["simulated"]
+            assert "--tile-heads 4" in whole["simulated"] and "--tile-heads" not in chunked["simulated"]
         assert result["written"] is (True if rank == 0 else None)
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_query_heads_a_chunk_at_a_time_through_the_exchange_match_one_process(request, ranks):
+    """Attention tiled over heads under Ulysses: each rank's query heads go through the all-to-all
+    a chunk at a time (one query head per chunk, as tiling chooses, and 2 where a rank has more),
+    at grouped-query ratios 1, 4 and 8 (at ratio 8, and at 4 on 4 ranks, fewer key/value heads
+    than ranks), without checkpointing and with reentrant and non-reentrant checkpointing, in
+    float64: loss and gradients of one process. It is chunked (more collectives than DeepSpeed's
+    call) and sends the bytes DeepSpeed's call sends, each key/value head once per pass; with
+    offloading on top (2 ranks), bit-identical."""
+    if ranks == 2:
+        results, checkpointing = request.getfixturevalue("runs")["head_chunks"], ("none", "reentrant", "non_reentrant")
+    else:  # without checkpointing on 2 ranks only: 4 processes on the suite's 2 cores are slow
+        results, checkpointing = request.getfixturevalue("runs_on_four")["head_chunks_checkpointed"], CHECKPOINTED
+    assert len(results) == ranks
+    for rank, result in enumerate(results):
+        assert "error" not in result, result.get("traceback")
+        configs = {name: config for name, config in result.items() if name != "seconds"}
+        expected = {f"ratio {r}, {c}, tile_heads None" for r in (1, 4, 8) for c in checkpointing}
+        if ranks == 2:
+            expected |= {f"ratio {r}, non_reentrant, tile_heads 2" for r in (1, 4, 8)}
+        assert set(configs) == expected
+        for name, config in configs.items():
+            where = f"rank {rank}, {name}"
+            assert config["steps"] == 2 * ranks and config["same_grad_names"], where  # 2 batches per rank
+            assert config["loss_rel"] < LOSS, (where, config["losses"], config["reference_losses"])
+            assert config["grad_rel"] < FLOAT64_GRAD, (where, config["worst"], config["grad_rel"])
+            assert config["exchanges"] > config["deepspeed_exchanges"], where  # chunked, not DeepSpeed's call
+            # Counted in forward and in the recompute (once per pass): without checkpointing, one pass of two.
+            passes = 1 if ", none," in name else 2
+            assert config["sent_bytes"] * 2 == config["deepspeed_sent_bytes"] * passes, where
+            if "offloaded_identical" in config:
+                assert config["offloaded_identical"], where
+        assert any("offloaded_identical" in config for config in configs.values()) == (ranks == 2)
+
+
+def test_the_chunked_exchange_gives_the_gradient_of_the_reported_loss(runs):
+    """transformers reports the loss in float32: along a random direction of the weights, the
+    chunked run's directional derivative is the central difference of the loss the SP group
+    reports (ratio 4, one query head per chunk, non-reentrant checkpointing)."""
+    for result in runs["head_chunks_finite_difference"]:
+        assert "error" not in result, result.get("traceback")
+        assert result["rel"] < 0.01, result
+
+
+def test_chunks_attending_with_the_wrong_key_values_are_caught(runs):
+    """Companion of the parity above: every chunk attending with its rank's first key/value head
+    (a head kept past its query heads) trains on another gradient, and the comparison sees it."""
+    for result in runs["head_chunks_wrong_key_values"]:
+        assert "error" not in result, result.get("traceback")
+        assert result["grad_rel"] > 0.05 and result["loss_rel"] > 1e-4, result
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_padding_is_refused_with_chunked_heads_as_without(request, ranks):
+    """Left padding (which Ulysses, dropping the mask, would attend to) is refused by Ulysses.adapt
+    with attention tiled over heads as without; a sequence padded at its end to a multiple of the
+    ranks trains (the 15-token batches of the parity runs)."""
+    for result in request.getfixturevalue("runs" if ranks == 2 else "runs_on_four")["head_chunks_refusal"]:
+        assert "error" not in result, result.get("traceback")
+        assert result["left_padding"].startswith("ValueError") and "pad on the right" in result["left_padding"]
 
 
 # --- bad input, in this process ---------------------------------------------------------------
@@ -304,6 +399,19 @@ def test_on_the_cpu_deepspeed_communication_is_asked_for_before_accelerate_asser
         sp.check_sequence_parallel(tiny_model("llama"), 2)
     monkeypatch.setattr(comm, "is_initialized", lambda: True)
     assert sp.check_sequence_parallel(tiny_model("llama"), 2) == "sdpa"
+
+
+def test_a_chunk_size_the_rank_heads_do_not_allow_is_refused_by_name():
+    from hf_offload.tiling.ulysses_heads import plan_chunks
+
+    plan = plan_chunks(32, 8, 8)  # Llama-3-8B on 8 ranks: 4 query heads and 1 key/value head each
+    assert (plan.rank_heads, plan.rank_kv_heads, plan.heads_per_chunk, plan.chunks) == (4, 1, 1, 4)
+    assert plan_chunks(32, 8, 32).replication == 4  # 32 ranks: each key/value head to 4 of them
+    with pytest.raises(ValueError, match=r"tile_heads=3 under Ulysses over 8 ranks: each rank computes 4 query heads "
+                       r"with 1 key/value head\(s\).*valid tile_heads here: \[1, 2, 4\]"):  # fmt: skip
+        plan_chunks(32, 8, 8, heads_per_chunk=3)
+    with pytest.raises(ValueError, match=r"valid tile_heads here: \[1, 2, 4, 8\]"):  # 8 query, 4 key/value heads
+        plan_chunks(32, 16, 4, heads_per_chunk=6)
 
 
 def test_a_model_without_a_transformers_config_is_refused():

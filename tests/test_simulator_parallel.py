@@ -7,6 +7,7 @@ import logging
 import warnings
 
 import pytest
+import torch
 from transformers import LlamaConfig
 from transformers.modeling_utils import AttentionInterface
 
@@ -135,3 +136,30 @@ def test_offloaded_parameters_leave_the_device_but_for_the_layers_in_use():
     assert off.params_gathered_bytes >= 2 * weights
     params = sum(p.numel() for p in offloaded.model.parameters())
     assert off.params_host_bytes == weights + params * (4 + 4 + 8)
+
+
+def test_query_heads_a_chunk_at_a_time_hold_less_in_attention_and_send_as_much():
+    """Attention tiled over heads under --sp: the simulator runs hf_offload's exchange of a chunk of
+    query heads at a time (8 heads and 2 key/value heads on 2 ranks: 4 query heads and 1 key/value
+    head per rank, one query head per chunk), against the same step with the rank's heads exchanged
+    at once (tile_heads=4, DeepSpeed's call). Each all-to-all call becomes 4 query chunks, the key
+    and the value once, 4 output chunks, with the same bytes in all; the attention backward holds
+    less, by most of the FlashAttention workspace of 3 query heads (float32 dq accumulator, and dk,
+    dv expanded to the query's 4 heads), and the forward less too (one chunk's gathered query)."""
+    from hf_offload.tools.simulator.tracker import flash_backward_workspace_bytes
+
+    config = gqa_config(num_attention_heads=8, num_key_value_heads=2, hidden_size=8 * HEAD_DIM)
+    seq = 4096
+    whole = Simulator(config, Training(sp_size=2, tiling={"tile_heads": 4})).run("checkpointing+tiled", seq)
+    chunked = Simulator(config, Training(sp_size=2)).run("checkpointing+tiled", seq)
+    assert chunked.sp_sent_bytes == whole.sp_sent_bytes > 0
+    # Per attention call and pass (forward, recompute, backward): 4 all-to-alls, or 4 + 2 + 4.
+    assert whole.sp_exchanges == 3 * LAYERS * 4 and chunked.sp_exchanges == 3 * LAYERS * 10
+
+    def meta(heads):
+        return torch.empty(1, heads, seq, HEAD_DIM, device="meta", dtype=torch.bfloat16)
+
+    workspace = flash_backward_workspace_bytes(meta(4), meta(1)) - flash_backward_workspace_bytes(meta(1), meta(1))
+    for phase, at_least in (("backward", workspace // 2), ("forward", seq * 3 * HEAD_DIM * 2)):
+        tag = (phase, "layer 0 self_attn")
+        assert whole.tag_peaks[tag] - chunked.tag_peaks[tag] >= at_least, (phase, whole.tag_peaks, chunked.tag_peaks)

@@ -537,6 +537,10 @@ def test_removing_the_state_from_under_a_later_wrapper_would_break_training(monk
         ({"mlp": False, "norms": False, "projections": False, "attention": False, "loss": False}, ValueError,
          "tiles nothing"),
         ({"tiles": 4}, TypeError, "unknown sequence tiling option(s) 'tiles'"),
+        ({"tile_heads": 0}, ValueError, "option tile_heads must be an int >= 1 or None, got 0"),
+        ({"tile_heads": 3}, ValueError, "tile_heads=3 does not cut LlamaForCausalLM's 4 query heads (2 key/value "
+         "heads) into pieces that keep each query head with its key/value head: valid tile_heads: "),
+        ({"tile_heads": 2, "attention": False}, ValueError, "tile_heads=2 sizes the pieces of attention tiled"),
     ],
 )
 def test_bad_options_are_named(options, error, fragment):
@@ -598,6 +602,40 @@ def test_attention_runs_a_group_of_key_value_heads_at_a_time(monkeypatch):
     registry["sdpa"] = wrapper
     hf_offload.disable_sequence_tiling(tiled)
     assert ALL_ATTENTION_FUNCTIONS["sdpa"] is original
+
+
+def test_tile_heads_splits_the_query_heads_that_share_a_key_value_head(monkeypatch):
+    """tile_heads=1: one query head per call (4 calls per layer, each pair sharing its key/value
+    head, whose gradient autograd sums over them), close to the whole call in float64 (the sum
+    over the pieces reorders the key/value gradient's); a multi-query model, which the default
+    runs whole, is split too."""
+    import weakref
+
+    from hf_offload.tiling import attention
+
+    registry = attention._registry()
+    original = getattr(registry["sdpa"], "_hf_offload_heads_of", registry["sdpa"])
+    monkeypatch.setitem(registry, "sdpa", original)
+    monkeypatch.setattr(attention, "_originals", {})
+    monkeypatch.setattr(attention, "_live", weakref.WeakSet())
+    for kv_heads in (2, 1):
+        plain = build("llama", num_key_value_heads=kv_heads)
+        tiled = twin(plain)
+        hf_offload.enable_sequence_tiling(tiled, tile_tokens=TILE, tile_heads=1, mlp=False, norms=False, loss=False)
+        calls = []
+
+        def spy(module, query, key, value, mask, calls=calls, **kwargs):
+            calls.append((query.shape[1], key.shape[1], module.num_key_value_groups))
+            return original(module, query, key, value, mask, **kwargs)
+
+        expected = step(plain)
+        wrapper = registry["sdpa"]
+        registry["sdpa"] = attention._head_tiled(spy, "sdpa")
+        assert_close(expected, step(tiled), rtol=1e-12, atol=1e-14)
+        assert calls == [(1, 1, 1)] * 4 * tiled.config.num_hidden_layers, kv_heads
+        assert tiled.model.layers[0].self_attn.num_key_value_groups == 4 // kv_heads  # put back after each call
+        registry["sdpa"] = wrapper
+        hf_offload.disable_sequence_tiling(tiled)
 
 
 def _norm_widths(monkeypatch, model) -> list[int]:

@@ -155,6 +155,11 @@ def sequence_parallel_group(_monkeypatch):
         assert "register_ulysses" in str(error)
 
 
+def ulysses_exchange(_monkeypatch):
+    importlib.import_module(sequence_parallel.ULYSSES_MODULE)
+    sequence_parallel.deepspeed_exchange(None)
+
+
 def ulysses_unregistered(monkeypatch):
     registered = {"implementation": "sdpa", "local": sequence_parallel._ABSENT}
     monkeypatch.setattr(sequence_parallel, "_REGISTERED", registered)
@@ -189,6 +194,7 @@ STOPS = {
     "transformers.checkpointing_layer": generic_adapter,
     "deepspeed.sequence_parallel_group": sequence_parallel_group,
     "deepspeed.release_groups": ulysses_unregistered,
+    "deepspeed.all_to_all": ulysses_exchange,
 }
 
 
@@ -308,6 +314,40 @@ def test_without_pretrained_model_the_methods_are_not_added_and_that_is_said(mon
     assert len(said) == 1 and "hf_offload.enable_activation_offloading(model)" in said[0]
 
 
+def test_without_deepspeeds_ulysses_attention_the_heads_go_through_at_once_said_once(
+    monkeypatch, caplog, fresh_announcements
+):
+    """deepspeed.ulysses_attention: where DeepSpeed's Ulysses has no UlyssesSPAttentionHF (or its
+    registered function no longer holds one), the rank's query heads go through the exchange as
+    DeepSpeed runs them, said once; someone's own function in its place is left as it is, silently."""
+    pytest.importorskip("deepspeed")
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    ulysses_sp = importlib.import_module(sequence_parallel.ULYSSES_MODULE)
+
+    def registered(*args, **kwargs):  # DeepSpeed's wrapper, as far as its module says
+        return None
+
+    registered.__module__ = sequence_parallel.ULYSSES_MODULE
+
+    def someones_own(*args, **kwargs):
+        return None
+
+    local = ALL_ATTENTION_FUNCTIONS._local_mapping
+    monkeypatch.setitem(local, "sdpa", someones_own)
+    with caplog.at_level(logging.WARNING, logger="hf_offload"):
+        sequence_parallel.adopt_ulysses("sdpa")
+        assert not announced(caplog, "deepspeed.ulysses_attention")
+        monkeypatch.setitem(local, "sdpa", registered)  # holds no UlyssesSPAttentionHF
+        sequence_parallel.adopt_ulysses("sdpa")
+        assert len(announced(caplog, "deepspeed.ulysses_attention")) == 1
+        monkeypatch.delattr(ulysses_sp, "UlyssesSPAttentionHF")
+        monkeypatch.setitem(local, "sdpa", lambda *args, **kwargs: None)
+        local["sdpa"].__module__ = sequence_parallel.ULYSSES_MODULE
+        sequence_parallel.adopt_ulysses("sdpa")
+    assert len(announced(caplog, "deepspeed.ulysses_attention")) == 1  # once
+
+
 FALLBACK_TESTS = {
     "trl.triton_cdiv": test_without_tritons_cdiv_in_trl_a_stand_in_gives_it,
     "trl.offloading_hooks": test_without_trls_offloading_hooks_offloading_says_once_that_they_go_unnoticed,
@@ -316,6 +356,7 @@ FALLBACK_TESTS = {
     "transformers.loss_function": test_a_loss_function_ignoring_ours_runs_the_loss_untiled_and_says_so,
     "kernels.kernel_funcs": test_kernel_funcs_under_another_name_fail_as_without_hf_offload,
     "transformers.pretrained_model": test_without_pretrained_model_the_methods_are_not_added_and_that_is_said,
+    "deepspeed.ulysses_attention": test_without_deepspeeds_ulysses_attention_the_heads_go_through_at_once_said_once,
 }  # fmt: skip
 
 

@@ -29,6 +29,11 @@ What this module adds to DeepSpeed's pieces, for a custom loop:
   labelled tokens, and sums the ranks' parts: the loss one process would report on the whole
   sequence, whose backward, averaged over the ranks as DDP, FSDP and DeepSpeed average gradients,
   is that process's gradient. Tiled or not, the loss head honours both.
+- `adopt_ulysses` (called by sequence tiling before each call of a tiled attention block): under
+  any Ulysses registration, the rank's query heads go through the exchange a chunk at a time where
+  attention is tiled over heads (`hf_offload.tiling.ulysses_heads`), with the bytes DeepSpeed
+  sends; every other call runs DeepSpeed's own forward. Refused while torch's context parallelism
+  is on (both would split the sequence).
 
 DeepSpeed is imported only when one of these is called (`pip install "hf-offload[sp]"`).
 """
@@ -40,6 +45,8 @@ import hashlib
 import os
 import re
 import sys
+import types
+import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -120,6 +127,7 @@ def check_sequence_parallel(model: object, sp_size: int, world_size: int | None 
     Call it before `Trainer(...)` or `accelerate.prepare` with the same model and `sp_size`: they
     run the same checks later, some as bare assertions."""
     implementation = _check_model(model, sp_size)
+    _check_not_context_parallel()
     if world_size is None:
         _check_deepspeed_communication()
         if torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -131,6 +139,31 @@ def check_sequence_parallel(model: object, sp_size: int, world_size: int | None 
             f"(launch a multiple of {sp_size} processes, e.g. torchrun --nproc-per-node {sp_size})"
         )
     return implementation
+
+
+_TORCH_CONTEXT_PARALLEL = "torch.distributed.tensor.experimental._context_parallel._attention"
+
+
+def torch_context_parallel_active() -> bool:
+    """Whether torch's context parallelism (`context_parallel`, accelerate's `cp_size`, TRL's
+    `parallelism_config_cp_size`) has replaced `torch.nn.functional.scaled_dot_product_attention`
+    with its ring dispatcher in this process: inside its context, each rank's sequence is already
+    a shard of the whole. (Not imported here: where it never was, it is not on. A torch private
+    name, out of the upstream inventory as torch's are: tests/test_context_parallel.py holds it.)"""
+    attention = sys.modules.get(_TORCH_CONTEXT_PARALLEL)
+    if attention is None:
+        return False
+    return torch.nn.functional.scaled_dot_product_attention in attention._replaced_functions
+
+
+def _check_not_context_parallel() -> None:
+    if torch_context_parallel_active():
+        raise ValueError(
+            "torch's context parallelism is on (scaled_dot_product_attention is its ring dispatcher), and Ulysses "
+            "splits the sequence across ranks too: each rank's shard would be split again. Use one of them: "
+            "ParallelismConfig(cp_size=N) on FSDP2, or sp_size=N with sp_backend='deepspeed' (accelerate refuses "
+            "both at once); hf_offload's offloading and tiling compose with either (docs/sequence_parallel.md)"
+        )
 
 
 def _check_deepspeed_communication() -> None:
@@ -615,6 +648,105 @@ def register_ulysses(model: nn.Module, sp_size: int, micro_batch_size: int = 1) 
     return ulysses
 
 
+# DeepSpeed's Ulysses attention modules whose forward runs query heads a chunk at a time where the
+# calling attention is tiled over heads (`adopt_ulysses`), each with the registered function it
+# was found through.
+_ADOPTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+ULYSSES_MODULE = "deepspeed.runtime.sequence_parallel.ulysses_sp"
+
+
+def adopt_ulysses(implementation: str) -> None:
+    """Where DeepSpeed's Ulysses is registered for `implementation` (by `register_ulysses`, or by
+    accelerate's or the Trainer's `prepare` with `ParallelismConfig(sp_backend="deepspeed")`), its
+    attention runs the rank's query heads a chunk at a time through the exchange for calls whose
+    attention module is tiled over heads (`hf_offload.tiling.ulysses_heads`), and as DeepSpeed
+    runs it for every other call. Called by tiling before each call of a tiled attention block,
+    so that a registration made after tiling was enabled is found too; cheap once done."""
+    if ULYSSES_MODULE not in sys.modules:
+        return
+    wrapper = resolve("transformers.local_attention_functions").get(implementation)
+    if wrapper is None or getattr(wrapper, "_hf_offload_adopted", False):
+        return
+    wrapper._hf_offload_adopted = True  # looked at once per registration
+    if getattr(wrapper, "__module__", None) != ULYSSES_MODULE:
+        return  # not DeepSpeed's registration (someone's own override): left as it is
+    if not present("deepspeed.ulysses_attention"):
+        announce("deepspeed.ulysses_attention")
+        return
+    instance = _ulysses_of(wrapper, resolve("deepspeed.ulysses_attention"))
+    if instance is None:  # DeepSpeed's wrapper, holding its attention some other way
+        announce("deepspeed.ulysses_attention")
+        return
+    instance.forward = types.MethodType(_forward_in_head_chunks, instance)
+    _ADOPTED[instance] = weakref.ref(wrapper)
+
+
+def _ulysses_of(wrapper, kind: type):
+    """The `UlyssesSPAttentionHF` DeepSpeed's registered wrapper calls (held in its closure:
+    DeepSpeed returns only the mpu), or None."""
+    for cell in getattr(wrapper, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(value, kind):
+            return value
+    return None
+
+
+def release_ulysses() -> None:
+    """Put DeepSpeed's own forward back on every Ulysses attention `adopt_ulysses` changed (tiling
+    disabled on every model of the process)."""
+    for instance, wrapper_ref in list(_ADOPTED.items()):
+        instance.__dict__.pop("forward", None)
+        wrapper = wrapper_ref()
+        if wrapper is not None:
+            wrapper.__dict__.pop("_hf_offload_adopted", None)
+    _ADOPTED.clear()
+
+
+def _forward_in_head_chunks(self, module: nn.Module, query, key, value, attention_mask, *args, **kwargs):
+    """`UlyssesSPAttentionHF.forward`, with the rank's query heads a chunk at a time through the
+    exchange where `chunk_plan` says so (the module's attention tiled over heads, in training, a
+    sequence longer than tiling's slice); else DeepSpeed's own forward. DeepSpeed's wrapper has
+    dropped the attention mask already (but flex attention's block mask, which runs as DeepSpeed
+    runs it)."""
+    from hf_offload.tiling.ulysses_heads import attention_in_head_chunks, chunk_plan
+
+    _check_not_context_parallel()  # one call of each would shard the shard
+    plan = None
+    if not args and attention_mask is None:
+        plan = chunk_plan(module, query, key, self.world_size, kwargs)
+    if plan is None:
+        return type(self).forward(self, module, query, key, value, attention_mask, *args, **kwargs)
+    positions = kwargs.get("position_ids")
+    if positions is None:
+        raise ValueError(
+            "Ulysses needs position_ids in every forward, each rank's shard of the whole sequence's positions "
+            "(Ulysses.adapt and DeepSpeed's UlyssesSPDataLoaderAdapter add them)"
+        )
+    # As DeepSpeed does: the kernels see the whole sequence's positions (FlashAttention reads packing from them).
+    gathered = [torch.empty_like(positions) for _ in range(self.world_size)]
+    torch.distributed.all_gather(gathered, positions.contiguous(), group=self.process_group)
+    kwargs["position_ids"] = torch.cat(gathered, dim=1)
+    return attention_in_head_chunks(
+        module, query, key, value, None, plan=plan, exchange=deepspeed_exchange(self.process_group), core=self.attn,
+        **kwargs,
+    )
+
+
+def deepspeed_exchange(group):
+    """DeepSpeed's all-to-all over dimension 0 on `group` (its op with its own gradient, the same
+    exchange in reverse), as Ulysses's attention calls it: looked up at each call, where DeepSpeed's
+    own forward looks it up too."""
+    resolve("deepspeed.all_to_all")
+
+    def exchange(buffer: torch.Tensor) -> torch.Tensor:
+        return resolve("deepspeed.all_to_all")(group, buffer)
+
+    return exchange
+
+
 def _local_mapping(functions) -> dict:
     """transformers' ALL_ATTENTION_FUNCTIONS keeps a mapping of its own in front of the class-wide
     one (`AttentionInterface.register`): item assignment writes there, and shadows the class-wide
@@ -682,10 +814,12 @@ def unregister_ulysses() -> None:
 __all__ = [
     "ULYSSES_ATTENTION",
     "Ulysses",
+    "adopt_ulysses",
     "check_sequence_parallel",
     "register_ulysses",
     "registered_ulysses",
     "sequence_parallel_loss",
     "sums_over_sequence_parallel_ranks",
+    "torch_context_parallel_active",
     "unregister_ulysses",
 ]

@@ -210,6 +210,16 @@ INVENTORY: dict[str, Reliance] = {
         "deepspeed", "deepspeed.runtime.sequence_parallel.parallel_state_sp:_release_sequence_parallel_groups",
         "private name", "hf_offload/integrations/sequence_parallel.py",
         "register_ulysses again (another model, another batch size)", ERROR),
+    "deepspeed.all_to_all": Reliance(
+        "deepspeed", "deepspeed.runtime.sequence_parallel.ulysses_sp:_dim_zero_all_to_all", "private name",
+        "hf_offload/integrations/sequence_parallel.py",
+        "query heads a chunk at a time through Ulysses' exchange (attention tiled over heads)", ERROR),
+    "deepspeed.ulysses_attention": Reliance(
+        "deepspeed", "deepspeed.runtime.sequence_parallel.ulysses_sp:UlyssesSPAttentionHF", "structure",
+        "hf_offload/integrations/sequence_parallel.py",
+        "query heads a chunk at a time through Ulysses' exchange: its forward replaced on the instance the "
+        "registered function holds in its closure (with world_size, process_group, attn)", FALLBACK,
+        "each rank's query heads go through the exchange at once, as DeepSpeed runs them, said once"),
     "deepspeed.zero3_gradients": Reliance(
         "deepspeed", "ZeRO-3 parameters carry ds_id and reduce once ds_grad_is_ready", "behaviour",
         "hf_offload/tiling/gradients.py", "tiled modules under ZeRO-3", HELD,

@@ -49,10 +49,10 @@ def enable_sequence_tiling(model: nn.Module, *positional: object, **options: obj
     """Tile the sequence through each decoder layer's per-token parts and through the loss head.
 
     Options (keyword-only) are described in `hf_offload.TilingOptions`: `mlp`, `norms`,
-    `projections`, `attention`, `loss`, `tile_tokens`. Calling it again reconfigures. The loss head is tiled
-    only where Liger's fused linear cross-entropy is not already computing the loss. A model with
-    nothing to tile (no decoder layer with a per-token part, no lm_head) raises
-    UnsupportedModelError.
+    `projections`, `attention`, `loss`, `tile_tokens`, `tile_heads`. Calling it again reconfigures.
+    The loss head is tiled only where Liger's fused linear cross-entropy is not already computing
+    the loss. A model with nothing to tile (no decoder layer with a per-token part, no lm_head)
+    raises UnsupportedModelError.
     """
     reject_positional("enable_sequence_tiling", positional, TilingOptions.option_names())
     parsed = TilingOptions.from_kwargs(**options)
@@ -88,6 +88,12 @@ def enable_sequence_tiling(model: nn.Module, *positional: object, **options: obj
             attentions.append(attention)
         if parsed.attention:
             head_tiled.append(attention)
+    if head_tiled and parsed.tile_heads is not None:
+        text = target.config.get_text_config()
+        heads = getattr(text, "num_attention_heads", None)
+        if isinstance(heads, int):
+            kv_heads = getattr(text, "num_key_value_heads", None) or heads
+            attention_tiling.check_heads_per_piece(parsed.tile_heads, heads, kv_heads, type(target).__name__)
     if head_tiled:
         resolve("transformers.attn_implementation")
         implementation = getattr(target.config.get_text_config(), "_attn_implementation", None)
@@ -120,7 +126,7 @@ def enable_sequence_tiling(model: nn.Module, *positional: object, **options: obj
     for attention in attentions:
         per_token.tile_projections(attention, tile, said)
     for attention in head_tiled:
-        attention_tiling.install(attention, tile, said)
+        attention_tiling.install(attention, tile, said, parsed.tile_heads)
     # The final norm is per token too, and its float32 work at the end of the backbone is as large as
     # a layer's norm's: it is tiled as they are wherever it runs (TRL's fused head and Liger's fused
     # cross-entropy take the backbone's last hidden state, so only tiling it on its own reaches

@@ -17,9 +17,12 @@ read the head index), a tensor argument of unknown layout.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import sys
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -40,7 +43,9 @@ MAX_GROUPS = 8
 # (batch, heads, queries, keys) scores: heads third from last where they have three dimensions or
 # more ((batch, heads, q, k), (heads, q, k); or 1 there, the same for every head), none where
 # fewer ((q, k); a FlashAttention padding mask (batch, tokens)).
-_NO_HEADS = frozenset({"position_ids", "cu_seq_lens_q", "cu_seq_lens_k"})
+_NO_HEADS = frozenset(
+    {"position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "seq_idx", "num_items_in_batch", "labels", "shift_labels"}
+)  # (transformers passes the model's keyword arguments down to attention: the loss's among them)
 _HEADS_FIRST = frozenset({"s_aux", "sinks"})
 _LIKE_SCORES = frozenset({"attention_mask", "position_bias"})
 _SCORES_HEADS = -3  # where a tensor laid out like the scores has its heads
@@ -49,10 +54,12 @@ _SCORES_HEADS = -3  # where a tensor laid out like the scores has its heads
 @dataclass(eq=False)
 class HeadTiling:
     """What tiling keeps on an attention block and the modules in it: the sequence length above
-    which it splits, how many calls it has split, what it has said."""
+    which it splits, the query heads per piece (`tile_heads`; None: tiling chooses), how many
+    calls it has split, what it has said."""
 
     min_tokens: int
     said: set = field(default_factory=set)
+    heads_per_piece: int | None = None
     calls: int = 0  # attention-function calls that came through the registry
     handles: list = field(default_factory=list)  # the block's hooks, which check that calls do
 
@@ -73,6 +80,10 @@ def _say_once(tiling: HeadTiling, module: nn.Module, reason: str) -> None:
 
 def _before_block(tiling: HeadTiling, block: nn.Module, args, kwargs) -> None:
     block._hf_offload_calls_before = tiling.calls
+    if _ULYSSES in sys.modules:  # DeepSpeed's Ulysses may be registered: chunk its exchange by heads
+        from ..integrations.sequence_parallel import adopt_ulysses
+
+        adopt_ulysses(getattr(getattr(block, "config", None), "_attn_implementation", None))
 
 
 def _after_block(tiling: HeadTiling, block: nn.Module, args, kwargs, output) -> None:
@@ -98,6 +109,9 @@ def _why_not_reached(block: nn.Module) -> str:
     return "it computes attention itself, not through transformers' attention functions"
 
 
+# DeepSpeed's Ulysses, whose exchange runs a chunk of query heads at a time where attention is tiled
+# over heads (`integrations.sequence_parallel.adopt_ulysses`); looked for only once it is imported.
+_ULYSSES = "deepspeed.runtime.sequence_parallel.ulysses_sp"
 _originals: dict[str, object] = {}  # the registered functions our wrappers took the place of
 # Every block's tiling still installed, in any model of the process (copies included): the
 # registry stays wrapped while one is.
@@ -126,11 +140,12 @@ def _unwrap_registry() -> None:
         del _originals[name]
 
 
-def install(attention: nn.Module, min_tokens: int, said: set) -> None:
+def install(attention: nn.Module, min_tokens: int, said: set, heads_per_piece: int | None = None) -> None:
     """Tile the attention block's calls over heads: the block, and the modules in it (BERT-style
     blocks call the attention function from a child). `said`: what has been said, shared by the
-    model's blocks, so that each notice comes once per model."""
-    tiling = HeadTiling(min_tokens, said)
+    model's blocks, so that each notice comes once per model. `heads_per_piece`: query heads per
+    piece (`tile_heads`), None to let tiling choose."""
+    tiling = HeadTiling(min_tokens, said, heads_per_piece)
     for module in attention.modules():
         setattr(module, HEADS_ATTR, tiling)
     _live.add(tiling)
@@ -150,6 +165,10 @@ def uninstall(attention: nn.Module) -> None:
         tiling.handles.clear()
     if not _live:
         _unwrap_registry()
+        if _ULYSSES in sys.modules:
+            from ..integrations.sequence_parallel import release_ulysses
+
+            release_ulysses()
 
 
 def is_tiled(attention: nn.Module) -> bool:
@@ -162,27 +181,34 @@ def _head_tiled(function, name: str):
         if tiling is None:
             return function(module, query, key, value, attention_mask, *args, **kwargs)
         tiling.calls += 1
-        if args or query.dim() != 4 or query.shape[2] <= tiling.min_tokens:
+        if _running_whole or args or query.dim() != 4 or query.shape[2] <= tiling.min_tokens:
             return function(module, query, key, value, attention_mask, *args, **kwargs)
         if not splits(module):
             if eval_mode_with_grad(module):
                 say_eval_mode_runs_whole(module, tiling.said)
             return function(module, query, key, value, attention_mask, *args, **kwargs)
-        groups, reason = _groups(query, key, value, attention_mask, kwargs)
+        pieces, reason = _pieces(query, key, value, attention_mask, kwargs, tiling.heads_per_piece)
         if reason is not None:
             _say_once(tiling, module, reason)
             return function(module, query, key, value, attention_mask, *args, **kwargs)
         heads, kv_heads = query.shape[1], key.shape[1]
+        per_piece, ratio = heads // pieces, heads // kv_heads
+        # A piece of query heads takes its key/value heads; pieces within one key/value head's query
+        # heads share it (the same split output: autograd sums its gradient over them).
+        kv_per_piece = max(per_piece // ratio, 1)
+        keys, values = key.split(kv_per_piece, dim=1), value.split(kv_per_piece, dim=1)
         outputs, weights = [], []
-        for q, k, v, mask, extra in zip(
-            query.split(heads // groups, dim=1),
-            key.split(kv_heads // groups, dim=1),
-            value.split(kv_heads // groups, dim=1),
-            _per_group(attention_mask, _SCORES_HEADS, heads, groups),
-            _kwargs_per_group(kwargs, heads, groups),
-            strict=True,
+        for index, (q, mask, extra) in enumerate(
+            zip(
+                query.split(per_piece, dim=1),
+                _per_group(attention_mask, _SCORES_HEADS, heads, pieces),
+                _kwargs_per_group(kwargs, heads, pieces),
+                strict=True,
+            )
         ):
-            output, weight = function(module, q, k, v, mask, **extra)
+            kv = index * per_piece // ratio // kv_per_piece
+            with key_value_groups(module, per_piece // kv_per_piece):
+                output, weight = function(module, q, keys[kv], values[kv], mask, **extra)
             outputs.append(output)
             weights.append(weight)
         # (batch, tokens, heads, head_dim), as every registered function returns it
@@ -195,29 +221,105 @@ def _head_tiled(function, name: str):
     return attention
 
 
-def _groups(query, key, value, attention_mask, kwargs) -> tuple[int, str | None]:
-    """How many groups of key/value heads the call splits into, or why it cannot be split."""
+_running_whole = 0  # > 0: inside a call already split elsewhere (query heads through Ulysses's exchange)
+
+
+@contextlib.contextmanager
+def running_whole() -> Iterator[None]:
+    """The tiled functions run each call whole inside: its caller has split the heads already
+    (attention over query heads a chunk at a time through sequence parallelism's exchange)."""
+    global _running_whole
+    _running_whole += 1
+    try:
+        yield
+    finally:
+        _running_whole -= 1
+
+
+@contextlib.contextmanager
+def key_value_groups(module: nn.Module, ratio: int) -> Iterator[None]:
+    """`module.num_key_value_groups` (query heads per key/value head, which transformers' SDPA
+    function reads to repeat keys and values) as it is in a call of fewer heads, put back after."""
+    previous = getattr(module, "num_key_value_groups", None)
+    if previous is None or previous == ratio:
+        yield
+        return
+    module.num_key_value_groups = ratio
+    try:
+        yield
+    finally:
+        module.num_key_value_groups = previous
+
+
+def pieces_of_heads(heads: int, kv_heads: int) -> list[int]:
+    """Query heads per piece that keep a piece with its key/value heads: divisors of `heads` that
+    are a multiple of the grouped-query ratio (whole key/value heads with their query heads) or
+    divide it (pieces of one key/value head's query heads, which share it)."""
+    ratio = heads // kv_heads if kv_heads and heads % kv_heads == 0 else 0
+    return [
+        size for size in range(1, heads + 1) if heads % size == 0 and ratio and (size % ratio == 0 or ratio % size == 0)
+    ]
+
+
+def check_heads_per_piece(heads_per_piece: int, heads: int, kv_heads: int, where: str) -> None:
+    """A ValueError naming `tile_heads` and the valid values, unless it cuts `heads` query heads
+    (of `kv_heads` key/value heads) into pieces that keep each with its key/value heads."""
+    valid = pieces_of_heads(heads, kv_heads)
+    if heads_per_piece not in valid:
+        raise ValueError(
+            f"tile_heads={heads_per_piece} does not cut {where}'s {heads} query heads ({kv_heads} key/value heads) "
+            f"into pieces that keep each query head with its key/value head: valid tile_heads: {valid}"
+        )
+
+
+def _pieces(query, key, value, attention_mask, kwargs, heads_per_piece: int | None) -> tuple[int, str | None]:
+    """How many pieces of query heads the call splits into, or why it cannot be split. By default
+    a group of key/value heads and their query heads per piece (at most MAX_GROUPS pieces); with
+    `heads_per_piece`, that many query heads per piece."""
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
         return 1, f"query, key and value of {query.dim()}, {key.dim()} and {value.dim()} dimensions"
     heads, kv_heads = query.shape[1], key.shape[1]
     if value.shape[1] != kv_heads or heads % kv_heads:
         return 1, f"{heads} query heads against {kv_heads} key and {value.shape[1]} value heads"
     for name, tensor in (("attention_mask", attention_mask), *kwargs.items()):
-        if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0 or name in _NO_HEADS:
-            continue
-        if name in _HEADS_FIRST and tensor.shape[:1] == (heads,):
-            continue
-        if name in _LIKE_SCORES and (tensor.dim() < 3 or tensor.shape[_SCORES_HEADS] in (1, heads)):
-            continue
-        head_dim = 0 if tensor.dim() == 1 else 1  # where a tensor of heads would have them
-        if name not in _HEADS_FIRST | _LIKE_SCORES and tensor.shape[head_dim] not in (heads, kv_heads):
-            continue  # of no head layout (labels passed along, say): the same for every group
-        return 1, f"its argument {name} of shape {tuple(tensor.shape)} may lay out heads in a way not known here"
+        if _unknown_head_layout(name, tensor, heads, kv_heads):
+            return 1, f"its argument {name} of shape {tuple(tensor.shape)} may lay out heads in a way not known here"
+    if heads_per_piece is not None:
+        check_heads_per_piece(heads_per_piece, heads, kv_heads, "the attention call")
+        return heads // heads_per_piece, None
     if kv_heads == 1:
         why = "multi-query attention, or one per rank under sequence parallelism"
-        return 1, f"a single key/value head in the call ({why}): no group of heads to split off"
+        return 1, (
+            f"a single key/value head in the call ({why}): no group of heads to split off (tile_heads=1 splits its "
+            "query heads)"
+        )
     groups = max(g for g in range(1, MAX_GROUPS + 1) if kv_heads % g == 0)
     return groups, None
+
+
+def _unknown_head_layout(name: str, tensor, heads: int, kv_heads: int) -> bool:
+    """Whether an argument of an attention call may lay out heads in a way a split does not know:
+    not a mask or bias laid out like the scores, a per-head vector, or a tensor of no head layout
+    (labels passed along, say: the same for every piece)."""
+    if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0 or name in _NO_HEADS:
+        return False
+    if name in _HEADS_FIRST and tensor.shape[:1] == (heads,):
+        return False
+    if name in _LIKE_SCORES and (tensor.dim() < 3 or tensor.shape[_SCORES_HEADS] in (1, heads)):
+        return False
+    head_dim = 0 if tensor.dim() == 1 else 1  # where a tensor of heads would have them
+    return name in _HEADS_FIRST | _LIKE_SCORES or tensor.shape[head_dim] in (heads, kv_heads)
+
+
+def carries_heads(name: str, tensor, heads: int, kv_heads: int) -> bool:
+    """Whether an argument of an attention call lays out heads, or may: a mask or bias, a per-head
+    vector (attention sinks), or another tensor with as many entries as heads where a tensor of
+    heads would have them. What does not is the same for every piece of heads."""
+    if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0 or name in _NO_HEADS:
+        return False
+    if name in _HEADS_FIRST | _LIKE_SCORES:
+        return True
+    return _unknown_head_layout(name, tensor, heads, kv_heads)
 
 
 def _per_group(tensor, dim: int, heads: int, groups: int) -> list:

@@ -190,6 +190,11 @@ def _add_estimate_command(commands: argparse._SubParsersAction) -> None:
         help="the +tiled modes' tokens per slice (enable_sequence_tiling(tile_tokens=N); default: tiling's own)",
     )  # fmt: skip
     estimate.add_argument(
+        "--tile-heads", type=_int_at_least(1, "tile-heads"), default=None, metavar="N",
+        help="the +tiled modes' query heads per piece of attention (enable_sequence_tiling(tile_heads=N)); with "
+        "--sp, per chunk of Ulysses's exchange: heads / sp is DeepSpeed's single exchange (default: tiling's own)",
+    )  # fmt: skip
+    estimate.add_argument(
         "--lora-rank", type=_int_at_least(1, "lora-rank"), default=None, help="LoRA adapters of this rank"
     )
     estimate.add_argument(
@@ -492,6 +497,8 @@ def _check_estimate_arguments(args: argparse.Namespace, parser: argparse.Argumen
     _check_trl_arguments(args, parser, modes)
     if args.tile_tokens is not None and not any(parse_mode(mode).tiled for mode in modes):
         parser.error(f"argument --tile-tokens: {args.tile_tokens} tokens per slice needs --tile or a {TILED} mode")
+    if args.tile_heads is not None and not any(parse_mode(mode).tiled for mode in modes):
+        parser.error(f"argument --tile-heads: {args.tile_heads} query heads per piece needs --tile or a {TILED} mode")
     for mode in modes:
         base = parse_mode(mode).base
         if base in NEEDS_ACCELERATOR:
@@ -552,6 +559,7 @@ def _run_estimate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         device_memory_bytes=memory,
         device_budget_bytes=None if args.max_device_gib is None else int(args.max_device_gib * 2**30),
         tile_tokens=args.tile_tokens,
+        tiling=None if args.tile_heads is None else {"tile_heads": args.tile_heads},
         autocast=None if args.autocast is None else getattr(torch, DTYPES[args.autocast]),
         padded=args.padded,
         sp_size=args.sp,

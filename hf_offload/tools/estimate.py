@@ -100,6 +100,7 @@ class Estimate:
                 "step_seconds": entry.step_seconds,
                 "seq_len": step.seq_len,
                 "sp_sent_bytes": step.sp_sent_bytes,
+                "sp_exchanges": step.sp_exchanges,
                 "sp_seconds": entry.sp_seconds,
                 "step_seconds_range": None if entry.time is None else [entry.time.low, entry.time.high],
                 "step_seconds_flash_attention_2": _flash_attention_2_seconds(entry, request),
@@ -716,8 +717,8 @@ def _parallel_lines(entry: ModeEstimate, request: Request) -> list[str]:
     lines = []
     if step.sp_size > 1:
         lines.append(
-            f"  sequence parallel: this rank's {step.rank_seq_len} tokens of {step.seq_len}; its all-to-alls send "
-            f"{size(step.sp_sent_bytes)} (and receive as much), {entry.sp_seconds * 1e3:.1f} ms at "
+            f"  sequence parallel: this rank's {step.rank_seq_len} tokens of {step.seq_len}; its {step.sp_exchanges} "
+            f"all-to-alls send {size(step.sp_sent_bytes)} (and receive as much), {entry.sp_seconds * 1e3:.1f} ms at "
             f"{device.peer_gbps:g} GB/s per direction, in the step time"
         )
     if step.params_host_bytes is not None:

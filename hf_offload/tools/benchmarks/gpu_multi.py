@@ -10,15 +10,20 @@ batch 1. The modes add hf_offload on top:
 
 - `sp`: the above alone (checkpoint inputs stay on the device);
 - `sp+hf_offload`: the checkpoint inputs offloaded to the host (our checkpoint offload);
-- `sp+hf_offload+tiled`: and sequence tiling (MLPs, norms, projections and the loss head a
-  slice at a time).
+- `sp+hf_offload+tiled+whole_heads`: and sequence tiling (MLPs, norms, projections and the loss
+  head a slice at a time), with each rank's query heads through Ulysses's exchange at once
+  (`tile_heads` = heads / N: DeepSpeed's own call);
+- `sp+hf_offload+tiled`: the same with tiling's default, the rank's query heads a chunk at a
+  time through the exchange (`hf_offload.tiling.ulysses_heads`, docs/sequence_parallel.md).
 
 For each length (ascending) and mode: the peak device memory of the step (the largest over the
-ranks), the step time (the median over the steps after the first, every rank synchronised) and
-tokens per second. Rank 0 prints the table and rewrites --out (JSON) after every measurement, so a
-run that ends early (an out-of-memory error on one rank ends every rank: the others wait in the
-all-to-all) keeps what it measured. The simulator does not model sequence parallelism yet (issue
-26, item 4): the simulated column says so until `hf-offload estimate` can give one rank's peak.
+ranks), the step time (the median over the steps after the first, every rank synchronised),
+tokens per second, and DeepSpeed's all-to-alls of a step, counted where they are called (forward
+and the checkpoint's recompute; backward's mirror them): calls and bytes sent, which chunking
+multiplies and keeps, respectively. Rank 0 prints the table and rewrites --out (JSON) after every
+measurement, so a run that ends early (an out-of-memory error on one rank ends every rank: the
+others wait in the all-to-all) keeps what it measured. The simulated column names the
+`hf-offload estimate` command that simulates the same rank (run it beside, on any machine).
 
 `--cpu-smoke` runs the same code on the CPU (gloo, DS_ACCELERATOR=cpu, a two-layer tiny model,
 offloading simulated, 16-token slices): it checks this script, not a GPU; no peak is measured
@@ -37,8 +42,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-MODES = ("sp", "sp+hf_offload", "sp+hf_offload+tiled")
-SIMULATED = "not modelled yet (hf-offload estimate has no --sp: issue 26, item 4)"
+MODES = ("sp", "sp+hf_offload", "sp+hf_offload+tiled+whole_heads", "sp+hf_offload+tiled")
+WHOLE_HEADS = "+whole_heads"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -72,6 +77,47 @@ def ds_config(cpu_smoke: bool) -> dict:
     }
 
 
+def simulated_command(args: argparse.Namespace, mode: str, length: int, world: int) -> str:
+    """The `hf-offload estimate` command that simulates one rank of this measurement."""
+    simulated = {"sp": "checkpointing", "sp+hf_offload": "checkpointing+hf_offload"}
+    modes = simulated.get(mode, "checkpointing+hf_offload+tiled")
+    heads = f" --tile-heads {preset_heads(args) // world}" if mode.endswith(WHOLE_HEADS) else ""
+    preset = "tiny" if args.cpu_smoke else args.preset
+    return (
+        f"hf-offload estimate --preset {preset} --device <this GPU> --modes {modes} --offload-params "
+        f"--sp {world} --seq-len {length}{heads}"
+    )
+
+
+def preset_heads(args: argparse.Namespace) -> int:
+    from hf_offload.tools.presets import preset_config
+
+    return preset_config("tiny" if args.cpu_smoke else args.preset).num_attention_heads
+
+
+class CountedExchange:
+    """DeepSpeed's all-to-all, counted where it is called (forward and a checkpoint's recompute;
+    backward's exchanges are their gradients, through the op's own autograd, as many and as large)."""
+
+    def __init__(self, world: int) -> None:
+        from deepspeed.runtime.sequence_parallel import ulysses_sp
+
+        self.module, self.original, self.world = ulysses_sp, ulysses_sp._dim_zero_all_to_all, world
+        self.calls = self.sent_bytes = 0
+
+    def __enter__(self):
+        def counted(group, tensor):
+            self.calls += 1
+            self.sent_bytes += tensor.numel() * tensor.element_size() * (self.world - 1) // self.world
+            return self.original(group, tensor)
+
+        self.module._dim_zero_all_to_all = counted
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.module._dim_zero_all_to_all = self.original
+
+
 def build(args: argparse.Namespace, mode: str, config: dict):
     import deepspeed
     from transformers import AutoModelForCausalLM
@@ -95,7 +141,9 @@ def build(args: argparse.Namespace, mode: str, config: dict):
     if "hf_offload" in mode:
         hf_offload.enable_activation_offloading(model, **smoke)
     if "tiled" in mode:  # on the CPU, slices small enough for the smoke's lengths
-        hf_offload.enable_sequence_tiling(model, tile_tokens=16 if args.cpu_smoke else None)
+        # +whole_heads: a rank's query heads in one chunk, DeepSpeed's own exchange.
+        heads = model_config.num_attention_heads // dist.get_world_size() if mode.endswith(WHOLE_HEADS) else None
+        hf_offload.enable_sequence_tiling(model, tile_tokens=16 if args.cpu_smoke else None, tile_heads=heads)
     return model
 
 
@@ -114,17 +162,19 @@ def measure(args: argparse.Namespace, mode: str, length: int, device: torch.devi
     generator = torch.Generator().manual_seed(length * world + dist.get_rank())
     ids = torch.randint(model.config.vocab_size, (1, length), generator=generator)
     batches = [{"input_ids": ids, "labels": ids}] * -(-args.steps // world)
-    times, peaks, losses = [], [], []
+    times, peaks, losses, exchanges = [], [], [], []
     for step, batch in enumerate(ulysses.adapt(batches)):
         if step == args.steps:
             break
+        counted = CountedExchange(world)
         if device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         dist.barrier()
         started = time.perf_counter()
-        loss = ulysses.loss(engine, batch)
-        engine.backward(loss)
+        with counted:
+            loss = ulysses.loss(engine, batch)
+            engine.backward(loss)
         engine.step()
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -132,6 +182,7 @@ def measure(args: argparse.Namespace, mode: str, length: int, device: torch.devi
         dist.barrier()
         times.append(time.perf_counter() - started)
         losses.append(float(loss))
+        exchanges.append((counted.calls, counted.sent_bytes))
     engine.destroy()
     sp.unregister_ulysses()
     stats = hf_offload_stats(model, mode)
@@ -149,8 +200,10 @@ def measure(args: argparse.Namespace, mode: str, length: int, device: torch.devi
         "tokens_per_second": length / step,
         "losses": losses,
         "offloaded_bytes": stats,
+        "all_to_alls": exchanges[-1][0],
+        "all_to_all_sent_bytes": exchanges[-1][1],
         "simulated_peak_bytes": None,
-        "simulated": SIMULATED,
+        "simulated": simulated_command(args, mode, length, world),
     }
 
 
@@ -164,16 +217,18 @@ def hf_offload_stats(model, mode: str) -> int | None:
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| mode | tokens | per rank | peak GiB (max rank) | simulated GiB | step s | tokens/s | status |",
-        "|---|---|---|---|---|---|---|---|",
+        "| mode | tokens | per rank | peak GiB (max rank) | simulated GiB | step s | tokens/s | all-to-alls "
+        "| sent GiB | status |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         peak = f"{row['peak_bytes'] / 2**30:.2f}" if row.get("peak_bytes") else "-"
         step = f"{row['step_seconds']:.3f}" if row.get("step_seconds") else "-"
         rate = f"{row['tokens_per_second']:.0f}" if row.get("tokens_per_second") else "-"
+        sent = row["all_to_all_sent_bytes"] / 2**30
         lines.append(
             f"| {row['mode']} | {row['length']} | {row['tokens_per_rank']} | {peak} | - | {step} | {rate} | "
-            f"{row['status']} |"
+            f"{row['all_to_alls']} | {sent:.3f} | {row['status']} |"
         )
     return "\n".join(lines)
 
@@ -203,7 +258,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             if rank == 0:
                 Path(args.out).write_text(json.dumps({"sp": dist.get_world_size(), "rows": rows}, indent=1))
     if rank == 0:
-        print(f"sequence parallelism over {dist.get_world_size()} ranks ({device.type}); simulated: {SIMULATED}")
+        print(f"sequence parallelism over {dist.get_world_size()} ranks ({device.type}); simulated: each row's command")
         print(table(rows))
     if started_here:
         dist.barrier()

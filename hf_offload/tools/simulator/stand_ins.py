@@ -33,6 +33,7 @@ from collections.abc import Iterator
 import torch
 
 from hf_offload.internal import replaced, resolve
+from hf_offload.tiling.ulysses_heads import attention_in_head_chunks, chunk_plan
 
 FLASH, EFFICIENT, MATH = "flash", "efficient", "math"
 _HALF = (torch.float16, torch.bfloat16)
@@ -316,11 +317,24 @@ def _ulysses_attention(core, sp_size: int, traffic: UlyssesTraffic):
     meta tensors: the same reshapes and copies, in the same order, so the buffers it holds are
     counted; the collectives are `_AllToAll`. The shard's (batch, heads, seq / sp, head_dim)
     query, key and value become (batch, heads / sp, seq, head_dim) for `core`, and its output goes
-    back to the shard's tokens with every head."""
+    back to the shard's tokens with every head. Where the module's attention is tiled over heads,
+    hf_offload's exchange of a chunk of query heads at a time runs instead, as in training
+    (`hf_offload.tiling.ulysses_heads`)."""
+
+    def exchange(buffer: torch.Tensor) -> torch.Tensor:
+        return _AllToAll.apply(buffer, traffic)
 
     def attention(module, query, key, value, attention_mask, *args, **kwargs):
         if not query.is_meta:
             raise RuntimeError("the simulated Ulysses attention exchanges nothing: meta tensors only")
+        # Attention tiled over heads: the product's own exchange a chunk of query heads at a time,
+        # around the stand-in all-to-all (hf_offload.integrations.sequence_parallel does the same
+        # around DeepSpeed's).
+        plan = None if args or attention_mask is not None else chunk_plan(module, query, key, sp_size, kwargs)
+        if plan is not None:
+            return attention_in_head_chunks(
+                module, query, key, value, None, plan=plan, exchange=exchange, core=core, **kwargs
+            )
         batch, heads, local, head_dim = query.shape
         kv_heads = key.shape[1]
         # Fewer key/value heads than ranks: DeepSpeed repeats them so that each rank gets one.
@@ -332,7 +346,7 @@ def _ulysses_attention(core, sp_size: int, traffic: UlyssesTraffic):
                 tensor = tensor.repeat_interleave(repeats, dim=2)
             tensor = tensor.reshape(local, batch, sp_size, local_heads, head_dim)
             tensor = tensor.permute(2, 0, 1, 3, 4).contiguous()
-            received = _AllToAll.apply(tensor, traffic)
+            received = exchange(tensor)
             received = received.reshape(sp_size * local, batch, local_heads, head_dim).contiguous()
             return received.permute(1, 2, 0, 3).contiguous()  # (batch, heads / sp, seq, head_dim)
 
@@ -350,7 +364,7 @@ def _ulysses_attention(core, sp_size: int, traffic: UlyssesTraffic):
         # (batch, seq, heads / sp, head_dim) back to (batch, seq / sp, heads x head_dim)
         context = context.permute(1, 0, 2, 3).reshape(sp_size * local, batch, -1)
         context = context.reshape(sp_size, local, batch, context.shape[-1]).contiguous()
-        received = _AllToAll.apply(context, traffic)
+        received = exchange(context)
         output = received.permute(1, 2, 0, 3).reshape(local, batch, -1).contiguous()
         output = output.permute(1, 0, 2).reshape(batch, local, -1)
         return output, weights

@@ -189,6 +189,7 @@ class StepResult:
     seconds: float = 0.0  # how long the simulation took
     sp_size: int = 1  # seq_len is the whole sequence's; the rank simulated ran seq_len / sp_size tokens
     sp_sent_bytes: int = 0  # what the rank sent through Ulysses's all-to-alls (and received as much)
+    sp_exchanges: int = 0  # how many all-to-alls (a chunk of query heads at a time: more, as large in all)
     params_gathered_bytes: int = 0  # with offload_params: the weights brought from the host
     params_host_bytes: int | None = None  # with offload_params: weights, gradients, optimizer on the host
 
@@ -626,6 +627,7 @@ class Simulator:
             tag_peaks=dict(tracker.main.tag_peaks),
             sp_size=training.sp_size,
             sp_sent_bytes=self.traffic.sent_bytes,
+            sp_exchanges=self.traffic.calls,
         )
         if offload is not None:
             result.params_gathered_bytes = offload.gathered_bytes
