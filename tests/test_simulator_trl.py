@@ -30,7 +30,7 @@ CPU_STEPS = {
     "dpo-lora-checkpointing": ("dpo", "checkpointing", 4, 96, None),
     "grpo-lora-tiled-with-reference": ("grpo", "none+tiled", 4, 192, None),
 }
-STEP = dict(prompt_length=16, num_generations=3, grpo_beta=0.04)
+STEP = dict(prompt_length=16, num_generations=3, grpo_beta=0.04, old_log_probs=True)
 
 
 @pytest.fixture(autouse=True)
