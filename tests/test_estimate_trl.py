@@ -92,8 +92,10 @@ def test_grpo_answers_with_generation_in_it_with_trls_defaults(capsys, monkeypat
     assert trl["generation_batch_size"] == 2 and trl["reference_model"] is False
     mode = result["modes"]["checkpointing"]
     generation = mode["generation"]
-    step_alone, by_generation = generation["max_seq_len_step"], generation["max_seq_len_generation"]
-    assert mode["max_seq_len"] == min(step_alone, by_generation)
+    if generation["step_checked_at_generation_limit"]:  # the step fits where generation stops
+        assert mode["max_seq_len"] == generation["max_seq_len_generation"]
+    else:
+        assert mode["max_seq_len"] == generation["max_seq_len_step"] < generation["max_seq_len_generation"]
     assert generation["peak_bytes"] <= 0.125 * 2**30 and mode["max_seq"]["peak_bytes"] <= 0.125 * 2**30
     low, high = generation["cycle"]["seconds_range"]
     assert 0 < low <= high
@@ -106,12 +108,15 @@ def test_vllm_colocated_holds_its_share_during_the_step_unless_asleep(capsys):
     common = ["--preset", "tiny", "--lora-rank", "4", "--trainer", "grpo", "--num-generations", "2", "--modes",
               "checkpointing", "--granularity", "256", "--optimizer-states", "0", "--use-vllm",
               "--vllm-gpu-memory-utilization", "0.5", "--device-memory", "2"]  # fmt: skip
-    awake = estimate_json(capsys, *common)["modes"]["checkpointing"]["generation"]
-    asleep = estimate_json(capsys, *common, "--vllm-enable-sleep-mode")["modes"]["checkpointing"]["generation"]
-    share = awake["vllm"]["share_bytes"]
-    assert awake["during_step_bytes"] == share and asleep["during_step_bytes"] == asleep["vllm"]["asleep_bytes"]
-    assert asleep["max_seq_len_step"] > awake["max_seq_len_step"]
-    assert awake["max_seq_len_generation"] == asleep["max_seq_len_generation"]
+    awake = estimate_json(capsys, *common)["modes"]["checkpointing"]
+    asleep = estimate_json(capsys, *common, "--vllm-enable-sleep-mode")["modes"]["checkpointing"]
+    share = awake["generation"]["vllm"]["share_bytes"]
+    memory = 2 * 2**30
+    assert awake["generation"]["during_step_bytes"] == share
+    assert asleep["generation"]["during_step_bytes"] == asleep["generation"]["vllm"]["asleep_bytes"] < share
+    assert awake["max_seq"]["memory_bytes"] == memory - share  # what the step may use
+    assert asleep["max_seq"]["memory_bytes"] == memory - asleep["generation"]["vllm"]["asleep_bytes"]
+    assert awake["generation"]["max_seq_len_generation"] == asleep["generation"]["max_seq_len_generation"]
     assert main(["estimate", *common, "--vllm-enable-sleep-mode"]) == 0
     out = capsys.readouterr().out
     assert "vLLM colocated (vllm_mode=\"colocate\", vllm_gpu_memory_utilization=0.5, sleep mode on)" in out

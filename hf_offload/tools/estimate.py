@@ -40,7 +40,7 @@ from hf_offload.tools.grpo_generation import (
 from hf_offload.tools.modes import parse_mode
 from hf_offload.tools.simulator import Simulator, StepResult, Training, composition
 from hf_offload.tools.simulator.generation import DECODE_STEPS
-from hf_offload.tools.simulator.search import LONGEST, LongestSequence, longest_sequence, search_lengths
+from hf_offload.tools.simulator.search import LONGEST, LongestSequence, Probe, longest_sequence, search_lengths
 from hf_offload.tools.simulator.tiers import (
     DEFAULT_DISK_GBPS,
     DiskTime,
@@ -95,6 +95,9 @@ class ModeEstimate:
     cycle: CycleTime | None = None  # one generation batch's seconds, at the answer (else at seq_len)
     cycle_length: int | None = None
     shortest: StepResult | None = None  # where no length fits: the shortest step simulated, to say why
+    # GRPO: the step was simulated only at generation's limit (it fits there; its own limit lies beyond,
+    # not searched), or not at all (generation fits at no length).
+    step_capped: bool = False
 
 
 @dataclass
@@ -201,7 +204,7 @@ class Estimate:
 def generation_json(entry: ModeEstimate) -> dict:
     """GRPO's generation beside the step: how, what it holds, what limits it, the cycle's time."""
     plan, simulated = entry.generation, entry.generation.simulated
-    length = entry.longest.max_seq_len if entry.longest is not None else None
+    length = entry.longest.max_seq_len if entry.longest is not None else entry.cycle_length
     share = plan.vllm
     cycle = entry.cycle
     return {
@@ -222,9 +225,11 @@ def generation_json(entry: ModeEstimate) -> dict:
             "asleep_bytes": share.asleep, "assumptions": VLLM_ASSUMPTIONS,
         },
         "during_step_bytes": plan.during_step,
-        "max_seq_len_step": None if entry.step_longest is None else entry.step_longest.max_seq_len,
+        "max_seq_len_step": None if entry.step_longest is None or entry.step_capped else entry.step_longest.max_seq_len,
+        "step_checked_at_generation_limit": entry.step_capped,
         "max_seq_len_generation": entry.generation_longest,
         "limited_by": entry.generation_reason or None,
+        "seq_len": length,
         "peak_bytes": None if length is None else plan.peak_bytes(length),
         "cycle": None if cycle is None else {
             "seq_len": entry.cycle_length, "seconds_range": [cycle.low, cycle.high],
@@ -379,9 +384,23 @@ def _estimate_mode(simulator: Simulator, request: Request, mode: str, *, pair=No
     trl = training.trl
     plan = _generation_plan(simulator, request, mode) if trl is not None and trl.trainer == "grpo" else None
     longest = slope = None
+    capped = False
     if request.memory_bytes is not None:
         # What generation keeps on the GPU during the step (vLLM colocated) is not the step's.
         step_memory = request.memory_bytes - (plan.during_step if plan is not None else 0)
+        limit = None
+        if plan is not None and plan.how.on_this_gpu:
+            # Generation on this GPU bounds the answer, and it is known without searching the step:
+            # the step at that bound fits, or the step's own search finds where below it.
+            limit, _reason = plan.longest(request.memory_bytes, request.granularity)
+            capped = limit is None or run(limit, False).peak_bytes <= step_memory
+    if request.memory_bytes is not None and capped:
+        at = None if limit is None else results[limit]
+        longest = LongestSequence(mode, step_memory, request.granularity, max_seq_len=limit, at_max=at,
+                                  reached_limit=False)  # fmt: skip
+        if at is not None:
+            longest.probes.append(Probe(limit, at.peak_bytes, True, at.host_bytes))
+    elif request.memory_bytes is not None:
         lengths = search_lengths(request.config, training, mode, request.seq_len)
         tiered = {}
         if training.disk_memory_bytes is not None and parse_mode(mode).hf_offload:
@@ -412,9 +431,10 @@ def _estimate_mode(simulator: Simulator, request: Request, mode: str, *, pair=No
     step = run(request.seq_len, False)
     timed = _step_time(step, simulator, request)
     entry = ModeEstimate(mode, step, timed.seconds, longest, slope, timed.exchange, timed)
-    if longest is not None and longest.max_seq_len is None:
+    if longest is not None and longest.max_seq_len is None and not capped:
         entry.shortest = results[min(results)]
     if plan is not None:
+        entry.step_capped = capped
         _with_generation(entry, plan, simulator, request, run)
     for result in results.values():
         result.trace = None  # the per-op lines are only for the search
@@ -583,9 +603,16 @@ def length_name(training: Training) -> str:
 
 
 def longest_mode(estimate: Estimate) -> ModeEstimate | None:
-    """The mode that trains the longest sequence (the first of equals), if any fits."""
+    """The mode that trains the longest sequence, if any fits; of equals (GRPO's generation can
+    bound several), the one that needs the least host memory, then the fewest lines to add."""
+
+    def rank(entry: ModeEstimate) -> tuple:
+        at = entry.longest.at_max
+        host = (at.host_bytes or 0) if at is not None else 0
+        return entry.longest.max_seq_len, -host, -len(recipe(entry.mode))
+
     found = [entry for entry in estimate.modes if entry.longest is not None and entry.longest.max_seq_len]
-    return max(found, key=lambda entry: entry.longest.max_seq_len, default=None)
+    return max(found, key=rank, default=None)
 
 
 def _headline_lines(estimate: Estimate) -> list[str]:
@@ -655,14 +682,16 @@ def _generation_lines(entry: ModeEstimate, request: Request) -> list[str]:
     length = entry.longest.max_seq_len
     step_alone = entry.step_longest.max_seq_len if entry.step_longest is not None else None
     alone = "none" if step_alone is None else f"{step_alone:,}"
+    if entry.step_capped:
+        alone = "further (the step fits there; its own limit is not searched)"
     lines = []
     if plan.how.on_this_gpu:
         peak = plan.peak_bytes(length)
         limit = "-" if entry.generation_longest is None else f"{entry.generation_longest:,}"
+        beside = f" beside the {size(plan.during_step)} vLLM keeps during it" if plan.during_step else ""
         lines.append(
-            f"generation's peak {size(peak)} (set by {entry.generation_reason}: up to {limit}); the step alone "
-            f"reaches {alone}"
-            + (f" beside the {size(plan.during_step)} vLLM keeps during it" if plan.during_step else "")
+            f"generation's peak {size(peak)} (set by {entry.generation_reason}: up to {limit}); the step alone"
+            f"{beside} reaches {alone}"
         )
     else:
         rows = plan.rows
@@ -804,6 +833,11 @@ def format_estimate(estimate: Estimate, *, device_given: bool) -> str:
             lines.append(copies)
         lines.extend(_parallel_lines(entry, request))
         lines.extend(_tier_lines(entry.step, request))
+        if entry.generation is not None and request.memory_bytes is None:
+            peak = entry.generation.peak_bytes(entry.cycle_length)
+            where = "on the server's GPUs" if peak is None else f"peak {size(peak)} on this GPU"
+            lines.append(f"  generation at {entry.cycle_length:,} tokens ({entry.generation.how.describe()}): {where}")
+            lines.append(f"  {_cycle_line(entry)}")
     if request.memory_bytes is not None:
         lines.append("")
         lines.extend(_longest_lines(estimate))
