@@ -225,6 +225,8 @@ def generation_json(entry: ModeEstimate) -> dict:
             "asleep_bytes": share.asleep, "assumptions": VLLM_ASSUMPTIONS,
         },
         "during_step_bytes": plan.during_step,
+        "trainer_resident_bytes": plan.resident,  # weights, the reference model's, optimizer state
+        "workspace_bytes": plan.workspace,
         "max_seq_len_step": None if entry.step_longest is None or entry.step_capped else entry.step_longest.max_seq_len,
         "step_checked_at_generation_limit": entry.step_capped,
         "max_seq_len_generation": entry.generation_longest,

@@ -52,12 +52,10 @@ def estimate(args: list[str]) -> dict:
 
 def largest_utilization(found: dict) -> float:
     """With sleep mode, the largest vllm_gpu_memory_utilization (two decimals) with which vLLM's share
-    and the trainer's weights and optimizer state fit the device while it generates, from a cell
-    colocated at TRL's 0.3: the share is 0.3 of the GPU's total, generation's peak is the trainer's
-    resident bytes and the workspaces beside it."""
+    and the trainer's weights and optimizer state (and the library workspaces) fit the device while
+    it generates, from a cell colocated at TRL's 0.3 (its share is 0.3 of the GPU's total)."""
     share, memory = found["vllm_share_bytes"], found["device_memory_bytes"]
-    beside = found["generation_peak_bytes"] - share
-    return int((memory - beside) / (share / 0.3) * 100) / 100
+    return int((memory - found["trainer_bytes"]) / (share / 0.3) * 100) / 100
 
 
 def cell(args: list[str]) -> dict:
@@ -70,6 +68,7 @@ def cell(args: list[str]) -> dict:
         "vllm_share_bytes": None if vllm is None else vllm["share_bytes"],
         "device_memory_bytes": entry["max_seq"]["memory_bytes"] + generation["during_step_bytes"],
         "generation_peak_bytes": generation["peak_bytes"],
+        "trainer_bytes": generation["trainer_resident_bytes"] + generation["workspace_bytes"],
         "command": "hf-offload " + " ".join(args),
         "max_seq_len": entry["max_seq_len"],
         "limited_by": generation["limited_by"],
