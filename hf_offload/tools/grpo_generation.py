@@ -228,9 +228,14 @@ def cycle_time(plan: GenerationPlan, completion: int, device: Device, *, step_se
         scale = concurrent / plan.rows
         low, high, host_bound = decode_seconds(device, bytes_line, (flops[0] * scale, flops[1] * scale), steps=steps)
         low, high = low * waves, high * waves
-        # TRL pushes the trainer's weights into vLLM before each generation (PEFT: merged, then unmerged).
+        # TRL pushes the trainer's weights into vLLM before each generation (PEFT: merged, then unmerged):
+        # a copy on this GPU when colocated, over NCCL to the server (the peer link assumed) when not.
         merges = 2 * 2 * base_weights if simulator.training.lora_rank else 0
-        sync = (2 * base_weights + merges) / bandwidth
+        if plan.how.colocated:
+            sync = (2 * base_weights + merges) / bandwidth
+        else:
+            sync = merges / bandwidth + base_weights / (device.peer_gbps * 1e9)
+            notes.append("the server's GPUs timed as this one")
         if waves > 1:
             notes.append(f"vLLM's KV cache holds {concurrent} of the {plan.rows} rows at once: {waves} waves")
     scoring = step_seconds * scoring_share * micro_batches
