@@ -15,6 +15,7 @@ from .engine.planner import plan as plan_device_budget
 from .engine.streams import MetaStreams, device_streams, empty_host_cache
 from .integrations.liger import fused_linear_cross_entropy_in_use
 from .integrations.transformers_outputs import active_collector
+from .integrations.upstream import UpstreamChanged, present, replaced, resolve
 
 
 @contextlib.contextmanager
@@ -56,6 +57,7 @@ def place_last_pass(model, *, host_bytes: int, disk_bytes: int) -> tuple[TierPla
 __all__ = [
     "MetaStreams",
     "TierPlan",
+    "UpstreamChanged",
     "active_collector",
     "device_memory",
     "device_streams",
@@ -66,6 +68,9 @@ __all__ = [
     "place_layers",
     "plan_device_budget",
     "predicted_step_bytes",
+    "present",
+    "replaced",
+    "resolve",
     "resolve_layers",
     "simulated_device",
     "unwrap_model",

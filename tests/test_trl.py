@@ -288,6 +288,12 @@ def test_sft_trainer_with_sequence_tiling_logs_the_untiled_run(tmp_path, tuning)
     assert trainer.model.is_sequence_tiling
     actual, reference = logged(trainer), logged(expected)
     assert [sorted(entry) for entry in actual] == [sorted(entry) for entry in reference]
+    # Token accuracy counts top-1 hits: a random tiny model's logits are near ties, and one of them may
+    # fall the other way under bf16 rounding (measured: one token of 42 in a step, on two busy threads).
+    one_token = 1 / min(int((b["labels"][:, 1:] != -100).sum()) for b in trainer.get_train_dataloader())
     for mine, theirs in zip(actual, reference, strict=True):
         for key, value in theirs.items():
-            assert mine[key] == pytest.approx(value, rel=1e-2), key
+            if key == "mean_token_accuracy":
+                assert abs(mine[key] - value) <= one_token * 1.001, key
+            else:
+                assert mine[key] == pytest.approx(value, rel=1e-2), key

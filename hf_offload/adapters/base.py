@@ -153,18 +153,34 @@ def is_norm(module: nn.Module) -> bool:
     return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith("Norm")
 
 
+def _layer_list_position(model: nn.Module, layers: Sequence[nn.Module]) -> tuple[nn.Module, int] | None:
+    """The module holding the decoder layers' list (LlamaModel, GPT-2's transformer), and the
+    list's place among its children."""
+    first = layers[0] if layers else None
+    for stack in model.modules():
+        for index, child in enumerate(stack._modules.values()):
+            if isinstance(child, nn.ModuleList) and any(hook_point(item) is first for item in child):
+                return stack, index
+    return None
+
+
+def find_layer_stack(model: nn.Module, layers: Sequence[nn.Module]) -> nn.Module | None:
+    """The module whose forward runs the decoder layers (the one holding their list), or None."""
+    found = _layer_list_position(model, layers)
+    return None if found is None else found[0]
+
+
 def find_final_norm(model: nn.Module, layers: Sequence[nn.Module]) -> nn.Module | None:
     """The norm between the last decoder layer and lm_head: the one norm the module holding the
     layers registers after their list (LlamaModel.norm, GPT-2's ln_f). None where there is not
     exactly one."""
-    first = layers[0] if layers else None
-    for stack in model.modules():
-        children = list(stack._modules.values())
-        for index, child in enumerate(children):
-            if isinstance(child, nn.ModuleList) and any(hook_point(item) is first for item in child):
-                norms = [module for module in children[index + 1 :] if module is not None and is_norm(module)]
-                return norms[0] if len(norms) == 1 else None
-    return None
+    found = _layer_list_position(model, layers)
+    if found is None:
+        return None
+    stack, index = found
+    children = list(stack._modules.values())
+    norms = [module for module in children[index + 1 :] if module is not None and is_norm(module)]
+    return norms[0] if len(norms) == 1 else None
 
 
 def find_attention(layer: nn.Module) -> nn.Module | None:

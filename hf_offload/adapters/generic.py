@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from torch import nn
-from transformers.modeling_layers import GradientCheckpointingLayer
 
+from ..integrations.upstream import resolve
 from .base import UnsupportedModelError, decoder_stack, innermost
 
 # What configs call their number of decoder layers (most map the others onto num_hidden_layers).
@@ -14,10 +14,11 @@ _LAYER_COUNT_NAMES = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 
 
 def _is_layer_list(module: object) -> bool:
+    checkpointing_layer = resolve("transformers.checkpointing_layer")
     return (
         isinstance(module, nn.ModuleList)
         and len(module) > 0
-        and all(isinstance(innermost(layer), GradientCheckpointingLayer) for layer in module)
+        and all(isinstance(innermost(layer), checkpointing_layer) for layer in module)
     )
 
 

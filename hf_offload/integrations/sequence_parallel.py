@@ -46,6 +46,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .upstream import announce, present, resolve
+
 IGNORE_INDEX = -100
 # Attention implementations Ulysses wraps (a hub kernel "org/name" too); eager needs the 4-D mask.
 ULYSSES_ATTENTION = ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
@@ -157,9 +159,12 @@ def _check_accelerate_processes(world_size: int) -> None:
     """accelerate (and so the Trainer) shards its loader over the processes it counts. On the CPU
     it counts one unless told it runs there, and every rank then gets the whole dataset: with
     Ulysses training every rank's batch in turn, each row would be trained once per rank."""
-    state = sys.modules.get("accelerate.state")
-    shared = getattr(getattr(state, "PartialState", None), "_shared_state", None) or {}
-    counted = shared.get("num_processes")
+    if "accelerate.state" not in sys.modules:  # accelerate has counted nothing
+        return
+    if not present("accelerate.shared_state"):
+        announce("accelerate.shared_state")
+        return
+    counted = (resolve("accelerate.shared_state") or {}).get("num_processes")
     if not isinstance(counted, int) or world_size <= 1 or counted == world_size:
         return
     raise ValueError(
@@ -203,6 +208,7 @@ def _check_model(model: object, sp_size: int) -> str:
             f"model: {valid or 'none'}"
         )
     # A config not yet given to a model has none resolved: transformers' default is sdpa.
+    resolve("transformers.attn_implementation")
     implementation = getattr(config, "_attn_implementation", None) or "sdpa"
     if implementation not in ULYSSES_ATTENTION and not _HUB_KERNEL.match(str(implementation)):
         raise ValueError(
@@ -295,9 +301,7 @@ def _shift_labels(batch: dict) -> torch.Tensor:
 
 
 def _sp_group():
-    from deepspeed.runtime.sequence_parallel import parallel_state_sp
-
-    group = getattr(parallel_state_sp, "_SEQUENCE_PARALLEL_GROUP", None)
+    group = resolve("deepspeed.sequence_parallel_group")
     if group is None:
         raise RuntimeError(
             "no sequence-parallel group: call register_ulysses(model, sp_size) first (accelerate and the "
@@ -567,7 +571,6 @@ def register_ulysses(model: nn.Module, sp_size: int, micro_batch_size: int = 1) 
             "torch.distributed.init_process_group() (or deepspeed.init_distributed()) before register_ulysses"
         )
     from deepspeed import comm as deepspeed_comm
-    from deepspeed.runtime.sequence_parallel import parallel_state_sp
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
     if not deepspeed_comm.is_initialized():  # DeepSpeed's view of the process group torch already has
@@ -575,7 +578,7 @@ def register_ulysses(model: nn.Module, sp_size: int, micro_batch_size: int = 1) 
     implementation = check_sequence_parallel(model, sp_size)
     unregister_ulysses()
 
-    if getattr(parallel_state_sp, "_SEQUENCE_PARALLEL_GROUP", None) is not None:
+    if resolve("deepspeed.sequence_parallel_group") is not None:
         raise RuntimeError(
             "Ulysses is already registered in this process, not by register_ulysses (accelerate's prepare or the "
             "Trainer with ParallelismConfig(sp_backend='deepspeed') do it themselves): use the group they made, "
@@ -616,7 +619,7 @@ def _local_mapping(functions) -> dict:
     """transformers' ALL_ATTENTION_FUNCTIONS keeps a mapping of its own in front of the class-wide
     one (`AttentionInterface.register`): item assignment writes there, and shadows the class-wide
     entry from then on."""
-    return getattr(functions, "_local_mapping", {})
+    return resolve("transformers.local_attention_functions")
 
 
 def _restore_local(functions, implementation: str, local) -> None:
@@ -632,10 +635,10 @@ def _attention_as_registered(implementation: str, local):
     """The attention function `implementation` names, looked up at each call: the instance
     mapping's entry that was there before Ulysses, else the class-wide one (where hf_offload's
     head tiling, or anyone's `AttentionInterface.register`, puts theirs)."""
-    from transformers.modeling_utils import AttentionInterface
+    registry = resolve("transformers.attention_registry")
 
     def attention(*args, **kwargs):
-        function = local if local is not _ABSENT else AttentionInterface._global_mapping[implementation]
+        function = local if local is not _ABSENT else registry[implementation]
         return function(*args, **kwargs)
 
     attention.__name__ = f"{implementation}_as_registered"
@@ -669,12 +672,10 @@ def unregister_ulysses() -> None:
     registered."""
     if not _REGISTERED:
         return
-    from deepspeed.runtime.sequence_parallel import parallel_state_sp
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     _restore_local(ALL_ATTENTION_FUNCTIONS, _REGISTERED["implementation"], _REGISTERED["local"])
-    with contextlib.suppress(AttributeError):
-        parallel_state_sp._release_sequence_parallel_groups()
+    resolve("deepspeed.release_groups")()
     _REGISTERED.clear()
 
 

@@ -3,7 +3,8 @@ hooks on chosen submodules append their outputs to a collector, one entry per ca
 record their logits this way, and the load-balancing loss reads one entry per layer covering all
 tokens. A tiled MLP calls its router once per tile, so sequence tiling takes the tiles' entries
 out of the collector and puts back one. The collector is a private context variable of
-transformers; without it (another version), nothing is collected and there is nothing to mend.
+transformers (inventory entry `transformers.output_collector`): without it tiling would leave each
+tile's record, without its gradient, so `check_output_collector` refuses before a step runs.
 """
 
 from __future__ import annotations
@@ -11,20 +12,22 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+from .upstream import resolve
+
+
+def check_output_collector() -> None:
+    """Raise UpstreamChanged where transformers no longer has the collector tiling mends."""
+    _context_variable()
+
 
 def _context_variable():
-    try:
-        from transformers.utils import output_capturing
-    except ImportError:
-        return None
-    return getattr(output_capturing, "_active_collector", None)
+    return resolve("transformers.output_collector")
 
 
 def active_collector() -> dict[str, list] | None:
     """The lists outputs are being collected into, by key (e.g. "router_logits"); None outside a
     capturing forward."""
-    variable = _context_variable()
-    return None if variable is None else variable.get()
+    return _context_variable().get()
 
 
 @contextlib.contextmanager
@@ -33,9 +36,6 @@ def collecting(keys) -> Iterator[dict[str, list]]:
     where no model forward is collecting)."""
     variable = _context_variable()
     collected = {key: [] for key in keys}
-    if variable is None:
-        yield collected
-        return
     token = variable.set(collected)
     try:
         yield collected

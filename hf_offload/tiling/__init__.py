@@ -12,7 +12,10 @@ attribute.
 
 from __future__ import annotations
 
+import functools
 import logging
+import sys
+from dataclasses import dataclass
 
 from torch import nn
 
@@ -21,6 +24,7 @@ from ..adapters import (
     UnsupportedModelError,
     find_attention,
     find_final_norm,
+    find_layer_stack,
     find_norms,
     is_linear_like,
     resolve_layers,
@@ -28,12 +32,17 @@ from ..adapters import (
     unwrap_model,
 )
 from ..config import TilingOptions, reject_positional
+from ..integrations.kernels import check_kernel_funcs
 from ..integrations.liger import fused_linear_cross_entropy_in_use
+from ..integrations.transformers_outputs import check_output_collector
+from ..integrations.upstream import announce, present, resolve
 from . import attention as attention_tiling
 from . import loss as loss_tiling
 from . import per_token
 
 logger = logging.getLogger("hf_offload")
+
+TILED_MODULES_ATTR = "_hf_offload_tiled_modules"
 
 
 def enable_sequence_tiling(model: nn.Module, *positional: object, **options: object) -> None:
@@ -50,6 +59,10 @@ def enable_sequence_tiling(model: nn.Module, *positional: object, **options: obj
     target = unwrap_model(model)
     per_layer = parsed.mlp or parsed.norms or parsed.projections or parsed.attention
     _adapter, layers = resolve_layers(target) if per_layer else (None, [])  # raises, naming the class
+    check_kernel_funcs(target)
+    if parsed.mlp:
+        check_output_collector()  # MoE routers' records mended per tile: refused before a step runs
+    _announce_what_other_libraries_lack()
     mlps = resolve_mlps(target) if parsed.mlp else []
     head = target.get_output_embeddings() if parsed.loss and hasattr(target, "get_output_embeddings") else None
     disable_sequence_tiling(target)
@@ -76,6 +89,7 @@ def enable_sequence_tiling(model: nn.Module, *positional: object, **options: obj
         if parsed.attention:
             head_tiled.append(attention)
     if head_tiled:
+        resolve("transformers.attn_implementation")
         implementation = getattr(target.config.get_text_config(), "_attn_implementation", None)
         if implementation not in attention_tiling.SPLITTABLE:
             logger.warning(
@@ -102,9 +116,9 @@ def enable_sequence_tiling(model: nn.Module, *positional: object, **options: obj
             "for causal language models; register_adapter(model_type, find_layers, find_mlp=...) names the "
             "layers and MLPs of a model it does not know)"
         )
+    said: set[str] = set()  # one notice per model, whichever tiled module meets it first
     for attention in attentions:
-        per_token.tile_projections(attention, tile)
-    said: set[str] = set()  # one notice per model, whichever layer meets it first
+        per_token.tile_projections(attention, tile, said)
     for attention in head_tiled:
         attention_tiling.install(attention, tile, said)
     # The final norm is per token too, and its float32 work at the end of the backbone is as large as
@@ -117,9 +131,62 @@ def enable_sequence_tiling(model: nn.Module, *positional: object, **options: obj
         if final_norm is not None:
             modules.setdefault(id(final_norm), final_norm)
     for module in modules.values():
-        per_token.install(module, tile)
+        per_token.install(module, tile, said)
+    _keep_tiled(target, layers, list(modules.values()))
     if tiles_loss:
-        loss_tiling.install(target, parsed.tile_tokens, final_norm)
+        loss_tiling.install(target, parsed.tile_tokens, final_norm, said)
+
+
+def _announce_what_other_libraries_lack() -> None:
+    """Where Liger is loaded but its forwards are not where tiling looks for them, say once that its
+    loss head goes unrecognised (harmless: its FALLBACK entry in `integrations.upstream`)."""
+    if "liger_kernel" in sys.modules and not present("liger-kernel.forwards"):
+        announce("liger-kernel.forwards")
+
+
+@dataclass
+class _TiledModules:
+    """Tiling's wrappers kept on the modules it tiles. Another library may put a forward of its own
+    on one after tiling was enabled, dropping ours (`instance_forward.dropped`): kernels' kernelize
+    does so on every norm at every train() / eval() that changes the mode (transformers >= 5.25),
+    Liger's instance patches on norms and MLPs. At each call of the module holding the decoder
+    layers, before any of them runs, the wrapper goes back on top of whatever replaced it."""
+
+    modules: list[nn.Module]
+    model_name: str
+    handle: object = None
+    said: bool = False
+
+
+def _reinstate_tiling(kept: _TiledModules, _owner: nn.Module, _args) -> None:
+    reinstated = [module for module in kept.modules if per_token.reinstate(module)]
+    if reinstated and not kept.said:
+        kept.said = True
+        logger.info(
+            "hf_offload: the forward of %d tiled module(s) of %s (%s) was replaced since tiling was enabled (kernels' "
+            "kernelize does so at each train()/eval()): sequence tiling runs them a slice at a time again, through "
+            "the new forward",
+            len(reinstated),
+            kept.model_name,
+            type(reinstated[0]).__name__,
+        )
+
+
+def _keep_tiled(target: nn.Module, layers: list, modules: list[nn.Module]) -> None:
+    if not modules:
+        return
+    owner = (find_layer_stack(target, layers) if layers else None) or target
+    kept = _TiledModules(modules, type(target).__name__)
+    kept.handle = owner.register_forward_pre_hook(functools.partial(_reinstate_tiling, kept))
+    setattr(owner, TILED_MODULES_ATTR, kept)
+
+
+def _stop_keeping_tiled(module: nn.Module) -> None:
+    kept = module.__dict__.get(TILED_MODULES_ATTR)
+    if kept is not None:
+        kept.handle.remove()
+        delattr(module, TILED_MODULES_ATTR)
+
 
 
 # A gated MLP's slice per token and unit of its width: bf16 intermediates and PEFT's float32 copies of
@@ -148,6 +215,7 @@ def disable_sequence_tiling(model: nn.Module) -> None:
     """Remove every wrapper, hook and attribute tiling added. A no-op if not enabled."""
     target = unwrap_model(model)
     for module in target.modules():
+        _stop_keeping_tiled(module)
         per_token.uninstall(module)
         attention_tiling.uninstall(module)
         loss_tiling.uninstall(module)

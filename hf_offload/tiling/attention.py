@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .replay import splits
+from ..integrations.upstream import resolve
+from .replay import eval_mode_with_grad, say_eval_mode_runs_whole, splits
 
 logger = logging.getLogger("hf_offload")
 
@@ -87,10 +88,8 @@ def _why_not_reached(block: nn.Module) -> str:
     """Why a block's call never reached the tiled functions: ALL_ATTENTION_FUNCTIONS's own mapping
     shadows the registry's entry for its implementation (DeepSpeed's Ulysses registers itself
     there, around the function it found), or the model computes attention itself."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
     implementation = getattr(getattr(block, "config", None), "_attn_implementation", None)
-    if implementation in getattr(ALL_ATTENTION_FUNCTIONS, "_local_mapping", {}):
+    if implementation in resolve("transformers.local_attention_functions"):
         return (
             f"transformers' attention function for {implementation!r} was replaced in ALL_ATTENTION_FUNCTIONS by "
             "one that does not call the tiled one (as DeepSpeed's Ulysses registration does, around the function "
@@ -106,9 +105,7 @@ _live: weakref.WeakSet[HeadTiling] = weakref.WeakSet()
 
 
 def _registry():
-    from transformers.modeling_utils import AttentionInterface
-
-    return AttentionInterface._global_mapping
+    return resolve("transformers.attention_registry")
 
 
 def _wrap_registry() -> None:
@@ -165,7 +162,11 @@ def _head_tiled(function, name: str):
         if tiling is None:
             return function(module, query, key, value, attention_mask, *args, **kwargs)
         tiling.calls += 1
-        if not splits(module) or args or query.dim() != 4 or query.shape[2] <= tiling.min_tokens:
+        if args or query.dim() != 4 or query.shape[2] <= tiling.min_tokens:
+            return function(module, query, key, value, attention_mask, *args, **kwargs)
+        if not splits(module):
+            if eval_mode_with_grad(module):
+                say_eval_mode_runs_whole(module, tiling.said)
             return function(module, query, key, value, attention_mask, *args, **kwargs)
         groups, reason = _groups(query, key, value, attention_mask, kwargs)
         if reason is not None:

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 import hf_offload
-from hf_offload.internal import device_memory, empty_host_cache, unwrap_model
+from hf_offload.internal import device_memory, empty_host_cache, resolve, unwrap_model
 from hf_offload.tools.modes import (
     NEEDS_ACCELERATOR,
     WITHOUT_HF_OFFLOAD,
@@ -123,7 +123,7 @@ _TRL_HOOKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _trl_context(model):
-    from trl.models.activation_offloading import get_act_offloading_ctx_manager
+    get_act_offloading_ctx_manager = resolve("trl.activation_offloading")
 
     _accelerate_state()
     before = {module: (set(module._forward_pre_hooks), set(module._forward_hooks)) for module in model.modules()}

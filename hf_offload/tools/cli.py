@@ -689,8 +689,12 @@ def _run_estimate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     logging.getLogger("hf_offload").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", category=FutureWarning)
     progress = None if args.json else (lambda line: print(line, file=sys.stderr, flush=True))
+    from hf_offload.internal import UpstreamChanged
+
     try:
         estimate = run_estimate(request, echo=progress)
+    except UpstreamChanged as error:  # another library's release moved what the simulator stands in for
+        parser.error(f"cannot simulate {name}: {error}")
     except (ValueError, TypeError, KeyError) as error:
         parser.error(f"cannot simulate {name}: {error}")
     except RuntimeError as error:  # the model's own code refused the step (a shape it cannot take, say)

@@ -127,10 +127,10 @@ def set_liger_flce(model, enabled: bool) -> None:
         return
     if "forward" in model.__dict__:
         raise RuntimeError(f"{type(model).__name__}.forward is already replaced on this instance; Liger would hide it")
-    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+    from hf_offload.internal import resolve
 
     model_type = model.config.model_type
-    apply = MODEL_TYPE_TO_APPLY_LIGER_FN.get(model_type)
+    apply = resolve("liger-kernel.apply_functions").get(model_type)
     if apply is None:
         raise ValueError(f"Liger has no kernels for model type {model_type!r}")
     # Every switch off (their names differ per family) except the fused loss.

@@ -178,10 +178,13 @@ def _hub_reachable() -> bool:
 
     from huggingface_hub import constants
 
+    from hf_offload.internal import resolve
+
+    endpoint = resolve("huggingface-hub.constants")
     if constants.HF_HUB_OFFLINE:
         return False
     try:
-        socket.getaddrinfo(urlparse(constants.ENDPOINT).hostname, 443)
+        socket.getaddrinfo(urlparse(endpoint).hostname, 443)
     except OSError:
         return False
     return True
@@ -190,15 +193,16 @@ def _hub_reachable() -> bool:
 def _check_causal_lm(config, where: str) -> None:
     """What the tools simulate and measure is causal-LM training: a model type transformers has
     an AutoModelForCausalLM class for (or the config's own, from the hub), as a decoder."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from hf_offload.internal import resolve
 
+    causal_lm_types = resolve("transformers.causal_lm_types")
     model_type = getattr(config, "model_type", None)
     remote = "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {})
-    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not remote:
+    if model_type not in causal_lm_types and not remote:
         raise ConfigError(
             f"{where}: model_type {model_type!r} has no causal-LM class in transformers (AutoModelForCausalLM), and "
             "the tools train causal LMs: decoder models such as llama, qwen2, mistral, gemma "
-            f"({len(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)} types in all)"
+            f"({len(causal_lm_types)} types in all)"
         )
     if getattr(config, "is_decoder", True) is False:  # BERT and its kin: an encoder unless told otherwise
         raise ConfigError(

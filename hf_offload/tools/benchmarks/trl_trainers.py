@@ -72,6 +72,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hf_offload.internal import resolve
 from hf_offload.tools import bench
 from hf_offload.tools.presets import PRESET_ALIASES, PRESET_CONFIGS, preset_config, preset_names
 
@@ -213,7 +214,8 @@ def grpo_trainer_with_trl_offloading():
     """GRPOTrainer with TRL's own offloading context around each training_step, exactly where
     SFTTrainer enters it when activation_offloading=True (GRPOConfig has no such flag)."""
     from trl import GRPOTrainer
-    from trl.models.activation_offloading import get_act_offloading_ctx_manager
+
+    get_act_offloading_ctx_manager = resolve("trl.activation_offloading")
 
     class GRPOTrainerWithTRLOffloading(GRPOTrainer):
         def __init__(self, *args, **kwargs):

@@ -39,6 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hf_offload.internal import replaced, resolve
+
 QUANT_TYPES = ("fp4", "nf4")
 COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -90,8 +92,11 @@ def quantize(model: torch.nn.Module, four_bit: FourBit, dtype: torch.dtype) -> t
     `prepare_model_for_kbit_training`, PEFT's preparation. On a real device each weight is random
     before it is quantized there (the GPU benchmark: no checkpoint is read)."""
     import bitsandbytes as bnb
-    from transformers.integrations.bitsandbytes import Bnb4bitQuantize
     from transformers.quantizers import AutoHfQuantizer
+
+    Bnb4bitQuantize = resolve("transformers.bnb_quantize")  # noqa: N806 (a class)
+    name2qmap = resolve("bitsandbytes.name2qmap")
+    resolve("bitsandbytes.params4bit_quantize")
 
     device = next(model.parameters()).device
     config = four_bit.config()
@@ -104,7 +109,7 @@ def quantize(model: torch.nn.Module, four_bit: FourBit, dtype: torch.dtype) -> t
     # bitsandbytes caches the 8-bit code of double quantization in a process-wide dict, on the
     # device of its first use, and copies it from there at every later use: made on meta, it would
     # break the next real quantization in this process. Left as it was found.
-    cached = dict(bnb.functional.name2qmap)
+    cached = dict(name2qmap)
     try:
         for name, module in model.named_modules():
             if not isinstance(module, bnb.nn.Linear4bit):
@@ -119,8 +124,8 @@ def quantize(model: torch.nn.Module, four_bit: FourBit, dtype: torch.dtype) -> t
             module.weight.module = module
     finally:
         if device.type == "meta":
-            bnb.functional.name2qmap.clear()
-            bnb.functional.name2qmap.update(cached)
+            name2qmap.clear()
+            name2qmap.update(cached)
     model.hf_quantizer = quantizer
     quantizer.postprocess_model(model)
     if four_bit.prepare_model_for_kbit_training:
@@ -206,10 +211,5 @@ def dequantizing_gemm() -> Iterator[None]:
     allocates inside the dispatcher is below any mode, and the tracker would see only its output."""
     import bitsandbytes  # noqa: F401 (registers its ops)
 
-    namespace = torch.ops.bitsandbytes
-    packet = namespace.gemm_4bit
-    namespace.gemm_4bit = _Gemm4bit(packet)
-    try:
+    with replaced("bitsandbytes.gemm_4bit", _Gemm4bit(resolve("bitsandbytes.gemm_4bit"))):
         yield
-    finally:
-        namespace.gemm_4bit = packet

@@ -32,6 +32,8 @@ from collections.abc import Iterator
 
 import torch
 
+from hf_offload.internal import replaced, resolve
+
 FLASH, EFFICIENT, MATH = "flash", "efficient", "math"
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -114,20 +116,19 @@ def attention_as_on_cuda(capability: tuple[int, int] = (9, 0)) -> Iterator[None]
 
 @contextlib.contextmanager
 def real_device_masking(padded: bool = False) -> Iterator[None]:
-    from transformers import masking_utils
-
-    original_packed, original_all = masking_utils.find_packed_sequence_indices, masking_utils.fast_all
+    """transformers' mask decisions on meta tensors as on a device with data: no packed sequences,
+    and a batch padded or not as given (meta tensors hold no data to tell)."""
+    original_all = resolve("transformers.fast_all")
+    resolve("transformers.find_packed_sequence_indices")
 
     def fast_all(tensor):
         return original_all(tensor) if not tensor.is_meta else not padded
 
-    masking_utils.find_packed_sequence_indices = lambda position_ids: None
-    masking_utils.fast_all = fast_all
-    try:
+    with (
+        replaced("transformers.find_packed_sequence_indices", lambda position_ids: None),
+        replaced("transformers.fast_all", fast_all),
+    ):
         yield
-    finally:
-        masking_utils.find_packed_sequence_indices = original_packed
-        masking_utils.fast_all = original_all
 
 
 # -- autocast ---------------------------------------------------------------------------------------
@@ -272,14 +273,8 @@ class SimulatedFusedLinearCrossEntropy(torch.autograd.Function):
 @contextlib.contextmanager
 def simulated_liger_loss() -> Iterator[None]:
     """Liger's causal-LM forwards call its fused linear cross-entropy through this module global."""
-    import liger_kernel.transformers.functional as liger_functional
-
-    original = liger_functional.LigerFusedLinearCrossEntropyFunction
-    liger_functional.LigerFusedLinearCrossEntropyFunction = SimulatedFusedLinearCrossEntropy
-    try:
+    with replaced("liger-kernel.fused_linear_cross_entropy", SimulatedFusedLinearCrossEntropy):
         yield
-    finally:
-        liger_functional.LigerFusedLinearCrossEntropyFunction = original
 
 
 # -- sequence parallelism (DeepSpeed Ulysses) -------------------------------------------------------
@@ -370,9 +365,7 @@ def simulated_ulysses(implementation: str, sp_size: int, traffic: UlyssesTraffic
     of `sp_size` (the model runs on the rank's seq / sp_size tokens). Entered after tiling's
     wrappers, so attention tiled over heads runs inside, on the gathered sequence, as it would on
     a GPU."""
-    from transformers.modeling_utils import AttentionInterface
-
-    mapping = AttentionInterface._global_mapping
+    mapping = resolve("transformers.attention_registry")
     core = mapping[implementation]
     mapping[implementation] = _ulysses_attention(core, sp_size, traffic)
     try:

@@ -32,12 +32,15 @@ on a CPU: the simulated step is then checked against real CPU allocations.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from hf_offload.internal import present, replaced, resolve
 
 TRAINERS = ("sft", "dpo", "grpo")
 KERNELS = ("triton", "torch")
@@ -279,8 +282,8 @@ def _completion_labels(ids: torch.Tensor, prompt_length: int) -> torch.Tensor:
 def _reference(model, reference=None):
     """TRL's reference pass: no grad, checkpointing off; then the separate reference model, or the
     PEFT policy with its adapters disabled. Yields the model to score with."""
-    from trl.models.utils import disable_gradient_checkpointing
-    from trl.trainer.utils import use_adapter
+    disable_gradient_checkpointing = resolve("trl.disable_gradient_checkpointing")
+    use_adapter = resolve("trl.use_adapter")
 
     @contextlib.contextmanager
     def passing():
@@ -336,7 +339,7 @@ def _grpo(model, step, batch_size, seq_len, device, scoring, reference, phase):
         rest = first.new_empty((generations - rows, seq_len))
         return torch.cat([first, rest], dim=0)
 
-    from trl.models.utils import disable_gradient_checkpointing
+    disable_gradient_checkpointing = resolve("trl.disable_gradient_checkpointing")
 
     old = reference_logps = None
     if step.computes_old_log_probs or step.reference_pass():
@@ -429,46 +432,54 @@ def _autocast_answers() -> list[tuple[object, str, object]]:
 def fused_head_as_on_cuda(kernel: str = "triton") -> Iterator[_Scoring]:
     """TRL's fused head on meta tensors as it runs on a CUDA device (module docstring); with
     `kernel="torch"`, its fallback for devices without Triton. Yields the scoring mode, whose
-    `valid_tokens` the step sets."""
-    import trl.trainer.utils as trl_utils
-    from trl.kernels import chunked_logprob
+    `valid_tokens` the step sets. Each of TRL's names is checked before any is replaced
+    (`hf_offload.integrations.upstream`): a renamed kernel would otherwise run for real on meta."""
+    with contextlib.ExitStack() as stack:
+        for owner, name, value in _autocast_answers():
+            stack.enter_context(_attribute(owner, name, value))
+        if kernel == "triton":
+            use_triton, addmm_fp32 = resolve("trl.use_triton"), resolve("trl.addmm_fp32")
 
-    patches = _autocast_answers()
-    if kernel == "triton":
-        use_triton = chunked_logprob._use_triton
-        addmm_fp32 = chunked_logprob._addmm_fp32
+            def as_on_cuda(device: torch.device) -> bool:
+                return device.type == "meta" or use_triton(device)
 
-        def as_on_cuda(device: torch.device) -> bool:
-            return device.type == "meta" or use_triton(device)
+            def accumulate(acc, a, b):
+                if acc.is_meta and a.dtype in _HALF:  # cuBLAS accumulates the half inputs' product in fp32
+                    torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+                else:
+                    addmm_fp32(acc, a, b)
 
-        def accumulate(acc, a, b):
-            if acc.is_meta and a.dtype in _HALF:  # cuBLAS accumulates the half inputs' product in fp32
-                torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-            else:
-                addmm_fp32(acc, a, b)
-
-        patches += [
-            (chunked_logprob, "_use_triton", as_on_cuda),
-            (trl_utils, "_use_triton", as_on_cuda),
-            (chunked_logprob, "_addmm_fp32", accumulate),
-            (chunked_logprob, "_forward_kernel", _NoAllocationKernel()),
-            (chunked_logprob, "_backward_kernel", _NoAllocationKernel()),
-        ]
-        if not hasattr(chunked_logprob, "triton"):  # TRL launches its backward grid with triton.cdiv
-            patches.append((chunked_logprob, "triton", _Cdiv()))
-    saved = [(owner, name, getattr(owner, name, _MISSING)) for owner, name, _ in patches]
-    for owner, name, value in patches:
-        setattr(owner, name, value)
-    scoring = _Scoring()
-    try:
+            stand_ins = {
+                "trl.use_triton": as_on_cuda,
+                "trl.trainer_use_triton": as_on_cuda,
+                "trl.addmm_fp32": accumulate,
+                "trl.forward_kernel": _NoAllocationKernel(),
+                "trl.backward_kernel": _NoAllocationKernel(),
+            }
+            for entry in stand_ins:  # all checked before any is replaced
+                resolve(entry)
+            for entry, value in stand_ins.items():
+                stack.enter_context(replaced(entry, value))
+            if not present("trl.triton_cdiv"):  # TRL launches its backward grid with triton.cdiv
+                chunked_logprob = importlib.import_module("trl.kernels.chunked_logprob")
+                stack.enter_context(_attribute(chunked_logprob, "triton", _Cdiv()))
+        scoring = _Scoring()
         with scoring:
             yield scoring
+
+
+@contextlib.contextmanager
+def _attribute(owner, name: str, value) -> Iterator[None]:
+    """`owner.name` is `value` within the block (torch's own names, and what TRL lacks without Triton)."""
+    saved = getattr(owner, name, _MISSING)
+    setattr(owner, name, value)
+    try:
+        yield
     finally:
-        for owner, name, value in saved:
-            if value is _MISSING:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, value)
+        if saved is _MISSING:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, saved)
 
 
 _MISSING = object()
@@ -485,7 +496,7 @@ def fused_head_added(model: torch.nn.Module, trainer: str, *, reference: bool = 
     """`add_fused_lm_head` on `model` (a transformers model: TRL adds it below PEFT) with the
     trainer's outputs (a separate reference model's: the default, log-probabilities only); undone
     after (TRL never removes it: it sets the instance's `forward`)."""
-    from trl.trainer.utils import add_fused_lm_head
+    add_fused_lm_head = resolve("trl.add_fused_lm_head")
 
     had = "forward" in model.__dict__
     before = model.__dict__.get("forward")
