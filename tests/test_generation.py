@@ -120,3 +120,23 @@ def test_longest_completion_is_the_last_that_fits(simulator):
     longest = result.longest(budget, granularity=64)
     assert longest % 64 == 0 and result.peak_bytes(longest) <= budget < result.peak_bytes(longest + 64)
     assert result.longest(result.prefill.peak_bytes - 1) is None
+
+
+def test_the_generation_config_is_trls(tmp_path):
+    """What the simulation passes to `generate` is what GRPOTrainer builds (TRL 1.16: sampling with
+    its defaults, no compile), read from a real trainer; its generation in training mode without
+    grad and checkpointing is held by tests/test_grpo.py's spy."""
+    from conftest import quiet_training_args
+    from test_grpo import grpo_dataset
+    from test_trl import TOKENIZER, lm_model
+    from trl import GRPOConfig, GRPOTrainer
+
+    model = lm_model()
+    args = GRPOConfig(**quiet_training_args(tmp_path, max_steps=1, per_device_train_batch_size=2), num_generations=2,
+                      max_completion_length=7, bf16=False)  # fmt: skip
+    trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
+                          train_dataset=grpo_dataset(), processing_class=TOKENIZER)  # fmt: skip
+    theirs, ours = trainer.generation_config, generation_config_as_trl(model, 7)
+    fields = ("max_new_tokens", "do_sample", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+              "cache_implementation", "disable_compile", "pad_token_id")  # fmt: skip
+    assert {name: getattr(ours, name) for name in fields} == {name: getattr(theirs, name) for name in fields}

@@ -40,6 +40,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from hf_offload.internal import UpstreamChanged
+
 # The transformers release whose `generate` the host-read table was read from.
 CHECKED_TRANSFORMERS = "5.25.0"
 # Decode steps simulated after the prefill (and one more, which ends generate): the first can
@@ -48,8 +50,10 @@ DECODE_STEPS = 4
 GENERATION = "generation"
 
 
-class HostReadNotSimulated(RuntimeError):
-    """`generate` read a value from a meta tensor at a place the simulator does not answer."""
+class HostReadNotSimulated(UpstreamChanged):
+    """`generate` read a value from a meta tensor at a place the simulator does not answer: a
+    transformers release moved what the simulator stands in for (inventory entry
+    "transformers.generate_reads")."""
 
 
 @dataclass(frozen=True)
@@ -112,7 +116,8 @@ class HostReads(TorchDispatchMode):
         raise HostReadNotSimulated(
             f"transformers {transformers.__version__}'s {code.co_name} ({code.co_filename}:{frame.f_lineno}) reads a "
             "value of a tensor, which the meta device does not hold, where the simulator has no answer: its answers "
-            f"were read from transformers {CHECKED_TRANSFORMERS}'s generate (simulator/generation.py, _READS)"
+            f"were read from transformers {CHECKED_TRANSFORMERS}'s generate (simulator/generation.py, _READS; inventory "
+            "entry 'transformers.generate_reads', docs/upstream.md)"
         )
 
 
