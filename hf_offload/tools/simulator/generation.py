@@ -116,8 +116,8 @@ class HostReads(TorchDispatchMode):
         raise HostReadNotSimulated(
             f"transformers {transformers.__version__}'s {code.co_name} ({code.co_filename}:{frame.f_lineno}) reads a "
             "value of a tensor, which the meta device does not hold, where the simulator has no answer: its answers "
-            f"were read from transformers {CHECKED_TRANSFORMERS}'s generate (simulator/generation.py, _READS; inventory "
-            "entry 'transformers.generate_reads', docs/upstream.md)"
+            f"were read from transformers {CHECKED_TRANSFORMERS}'s generate (simulator/generation.py, _READS; "
+            "inventory entry 'transformers.generate_reads', docs/upstream.md)"
         )
 
 
