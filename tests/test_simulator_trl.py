@@ -30,7 +30,7 @@ CPU_STEPS = {
     "dpo-lora-checkpointing": ("dpo", "checkpointing", 4, 96, None),
     "grpo-lora-tiled-with-reference": ("grpo", "none+tiled", 4, 192, None),
 }
-STEP = dict(prompt_length=16, num_generations=3, grpo_beta=0.04)
+STEP = dict(prompt_length=16, num_generations=3, grpo_beta=0.04, old_log_probs=True)
 
 
 @pytest.fixture(autouse=True)
@@ -215,3 +215,26 @@ def test_grpo_runs_the_passes_its_config_asks_for(old, beta, calls):
         loss = trl_module.trl_step(model, step, batch_size=1, seq_len=8, device="cpu")
     loss.backward()
     assert grads == [False] * (calls - 1) + [True]
+
+
+def test_the_simulated_defaults_are_trls():
+    """TrlStep's and TrlGeneration's defaults are GRPOConfig's and DPOConfig's (TRL 1.16): beta 0,
+    8 generations, transformers' generate, vLLM colocated at 0.3 of the GPU without sleep mode; the
+    old log-probs computed as TRL decides with its defaults (with vLLM's importance sampling
+    correction; without vLLM, generation aligned with the optimizer's steps: none)."""
+    from trl import DPOConfig, GRPOConfig
+
+    from hf_offload.tools.simulator.trl import TrlGeneration
+
+    grpo = GRPOConfig(output_dir="unused", use_cpu=True, report_to=[], per_device_train_batch_size=8)
+    step, how = TrlStep("grpo"), TrlGeneration()
+    assert (step.grpo_beta, step.num_generations) == (grpo.beta, grpo.num_generations)
+    assert (how.use_vllm, how.vllm_mode, how.vllm_gpu_memory_utilization, how.vllm_enable_sleep_mode) == (
+        grpo.use_vllm, grpo.vllm_mode, grpo.vllm_gpu_memory_utilization, grpo.vllm_enable_sleep_mode)
+    aligned = grpo.gradient_accumulation_steps % (grpo.steps_per_generation * grpo.num_iterations) == 0
+    assert step.computes_old_log_probs == (not aligned or (grpo.use_vllm and grpo.vllm_importance_sampling_correction))
+    with_vllm = TrlStep("grpo", generation=TrlGeneration(use_vllm=True))
+    assert with_vllm.computes_old_log_probs == grpo.vllm_importance_sampling_correction
+    dpo = DPOConfig(output_dir="unused", use_cpu=True, report_to=[])
+    assert (TrlStep("dpo").precompute_ref_log_probs, TrlStep("dpo").sync_ref_model) == (
+        dpo.precompute_ref_log_probs, dpo.sync_ref_model)

@@ -151,3 +151,22 @@ def test_every_preset_builds_in_its_own_architecture(preset):
     assert model.config.model_type == trl_trainers.PRESET_CONFIGS[name]["model_type"]
     assert model.config.max_position_embeddings == 4096
     assert (model.config.pad_token_id, model.config.eos_token_id) == (trl_trainers.PAD, trl_trainers.EOS)
+
+
+def test_generation_stage_measures_each_phase_beside_the_simulator(capsys):
+    """--stage generation, at a tiny size on the CPU: GRPO generates with transformers' generate at
+    two completion lengths and each row has the simulator's generation and step peaks and the
+    predicted generation time beside what was measured (times here; memory on a GPU); vLLM, which
+    does not import here, is recorded as skipped with the reason."""
+    assert trl_trainers.main(["--device", "cpu", "--stage", "generation"]) == 0
+    output = capsys.readouterr().out
+    lines = [line for line in output.splitlines() if line.startswith("| ")]
+    header = [cell.strip() for cell in lines[0].strip("|").split("|")]
+    rows = [dict(zip(header, (cell.strip() for cell in line.strip("|").split("|")), strict=True)) for line in lines[1:]]
+    ran = [row for row in rows if row["generator"] == "transformers"]
+    assert [int(row["completion"]) for row in ran] == [6, 8]
+    for row in ran:
+        assert row["status"] == "ok" and float(row["generate s"]) > 0 and float(row["step s"]) > 0
+        assert float(row["simulated"]) > 0 and "-" in row["predicted s"]
+        assert row["generate peak GiB"] == "-"  # no device memory on the CPU: not invented
+    assert all(row["status"].startswith("skipped: vLLM does not import here") for row in rows if row not in ran)

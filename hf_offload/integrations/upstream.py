@@ -68,6 +68,7 @@ _SIM = "hf_offload/tools/simulator/"
 _TRL_HEAD = "estimate --trainer (TRL's fused LM head on the meta device, as on a CUDA device)"
 _MASKS = "every simulated step (masks decided on meta as on a GPU with unpadded inputs)"
 _FOUR_BIT = "estimate --load-in-4bit (a 4-bit base quantized on the meta device)"
+_GENERATION = "estimate --trainer grpo (transformers' generate on the meta device, as TRL calls it)"
 
 INVENTORY: dict[str, Reliance] = {
     # -- the simulator's stand-ins ---------------------------------------------------------------
@@ -135,6 +136,21 @@ INVENTORY: dict[str, Reliance] = {
         "estimate --sp (one rank's all-to-alls)", HELD,
         "tests/test_simulator_parallel.py::"
         "test_one_ulysses_rank_halves_the_per_token_parts_and_sees_the_whole_sequence_in_attention"),
+    "transformers.generate_reads": Reliance(
+        "transformers", "transformers.generation.utils: generate's reads of tensor values (StopCheck.__call__, "
+        "generate, _prepare_special_tokens, _get_logits_processor), answered on meta by function and statement",
+        "call stack", _SIM + "generation.py", _GENERATION, HELD,
+        "tests/test_generation.py::test_simulated_generation_matches_real_cpu_generate", checked="5.25.0"),
+    "transformers.dynamic_cache_growth": Reliance(
+        "transformers", "DynamicCache grows each layer by torch.cat every decode step, the same ops each step; "
+        "the batch decodes until its last row ends", "behaviour", _SIM + "generation.py",
+        _GENERATION + ": the cache's growth extrapolated", HELD,
+        "tests/test_generation.py::test_the_check_tells_the_cache_growth_from_the_textbook_formula",
+        checked="5.25.0"),
+    "trl.grpo_generation_call": Reliance(
+        "trl", "GRPOTrainer's generate call: the training model's generate under no_grad in training mode, "
+        "checkpointing off, its GenerationConfig (sampling defaults, disable_compile)", "behaviour",
+        _SIM + "generation.py", _GENERATION, HELD, "tests/test_generation.py::test_the_generation_config_is_trls"),
     # -- the other tools -------------------------------------------------------------------------
     "trl.activation_offloading": Reliance(
         "trl", "trl.models.activation_offloading:get_act_offloading_ctx_manager", "private name",

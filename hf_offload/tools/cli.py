@@ -325,13 +325,15 @@ def _add_four_bit_arguments(estimate: argparse.ArgumentParser) -> None:
 
 
 def _add_trl_arguments(estimate: argparse.ArgumentParser) -> None:
-    """A TRL trainer's step; the GRPO options are GRPOConfig's fields of the same names."""
+    """A TRL trainer's step; the options are the TRL configs' fields of the same names, with their
+    defaults (GRPOConfig's, DPOConfig's)."""
     group = estimate.add_argument_group("TRL's trainers (TRL 1.16's step: its fused loss head, not the model's)")
     group.add_argument(
         "--trainer", choices=("sft", "dpo", "grpo"), default=None,
         help="simulate this TRL trainer's step: SFTTrainer's, DPOTrainer's (chosen and rejected rows, the reference "
-        "pass under no_grad) or GRPOTrainer's (old and reference log-probs under no_grad, then the policy step; "
-        "generation with vLLM is not simulated). For dpo and grpo the length searched is the completion's",
+        "pass under no_grad; for full fine-tuning the reference model TRL loads beside the policy) or GRPOTrainer's "
+        "(generation on this GPU as TRL runs it, then the no-grad scoring and the policy steps). For dpo and grpo "
+        "the length searched is the completion's",
     )  # fmt: skip
     group.add_argument(
         "--prompt-length", type=_int_at_least(1, "prompt-length"), default=None, metavar="N",
@@ -343,51 +345,140 @@ def _add_trl_arguments(estimate: argparse.ArgumentParser) -> None:
         "--seq-len's value)",
     )  # fmt: skip
     group.add_argument(
-        "--num-generations", type=_int_at_least(1, "num-generations"), default=None, metavar="G",
-        help="grpo: completions per prompt, the rows of the generation batch this GPU holds (GRPOConfig."
-        "num_generations; default 8); --batch-size is per_device_train_batch_size, the rows of one policy step",
+        "--ref-model", action="store_true",
+        help="dpo: a reference model given to DPOTrainer(ref_model=...), which TRL keeps on the GPU (with LoRA too)",
+    )  # fmt: skip
+    group.add_argument(
+        "--precompute-ref-log-probs", action="store_true",
+        help="dpo: DPOConfig.precompute_ref_log_probs: the reference log-probs computed before training (no "
+        "reference pass in the step, and without --ref-model no reference model kept)",
+    )  # fmt: skip
+    group.add_argument(
+        "--sync-ref-model", action="store_true",
+        help="dpo, grpo: sync_ref_model: the reference model synced to the policy (in place: no memory of its own; "
+        "TRL refuses it with LoRA, with --precompute-ref-log-probs, and for grpo with beta 0)",
+    )  # fmt: skip
+    group.add_argument(
+        "--num-generations", type=_int("num-generations"), default=None, metavar="G",
+        help="grpo: completions per prompt (GRPOConfig.num_generations; default 8, at least 2)",
+    )  # fmt: skip
+    group.add_argument(
+        "--generation-batch-size", type=_int_at_least(1, "generation-batch-size"), default=None, metavar="N",
+        help="grpo: completions generated together on this GPU, then scored and stepped through --batch-size rows at "
+        "a time (GRPOConfig.generation_batch_size; default: --batch-size x --steps-per-generation)",
+    )  # fmt: skip
+    group.add_argument(
+        "--steps-per-generation", type=_int_at_least(1, "steps-per-generation"), default=None, metavar="S",
+        help="grpo: policy steps per generation batch (GRPOConfig.steps_per_generation; TRL's default is "
+        "gradient_accumulation_steps; here the fewest TRL accepts: --num-generations / gcd(--batch-size, "
+        "--num-generations), 8 at batch 1 and 8 generations)",
     )  # fmt: skip
     group.add_argument(
         "--beta", type=_non_negative_float("beta"), default=None, metavar="B",
         help="grpo: the KL term's weight (GRPOConfig.beta; default 0, TRL's, which computes no reference "
-        "log-probs; DeepSeek-R1's recipe used 0.001)",
+        "log-probs; above 0 without LoRA TRL loads a reference model beside the policy)",
     )  # fmt: skip
     group.add_argument(
-        "--no-old-log-probs", action="store_true",
-        help="grpo: no old-policy pass (TRL computes one with vLLM's importance sampling correction, the default "
-        "with use_vllm, or when generation and optimizer steps are misaligned; otherwise it reuses the policy's)",
+        "--old-log-probs", action=argparse.BooleanOptionalAction, default=None,
+        help="grpo: whether the step computes the old policy's log-probs under no_grad (default: as TRL decides with "
+        "its defaults: with --use-vllm, for its importance sampling correction; without, no: generation aligned "
+        "with the optimizer's steps. --old-log-probs for misaligned steps or num_iterations > 1)",
+    )  # fmt: skip
+    group.add_argument(
+        "--use-vllm", action="store_true",
+        help="grpo: generate with vLLM (GRPOConfig.use_vllm; default: transformers' generate on the training model)",
+    )  # fmt: skip
+    group.add_argument(
+        "--vllm-mode", choices=("colocate", "server"), default=None,
+        help="grpo: vLLM on this GPU beside the trainer (colocate, TRL's default) or a server on other GPUs",
+    )  # fmt: skip
+    group.add_argument(
+        "--vllm-gpu-memory-utilization", type=_positive_float("vllm-gpu-memory-utilization"), default=None,
+        metavar="F", help="grpo, colocate: the share of the GPU's memory vLLM takes (default 0.3, TRL's)",
+    )  # fmt: skip
+    group.add_argument(
+        "--vllm-enable-sleep-mode", action="store_true",
+        help="grpo, colocate: vLLM sleeps (level 2: weights and KV cache freed) while the step runs",
     )  # fmt: skip
 
 
 def _trl_step(args: argparse.Namespace):
     from .simulator import TrlStep
+    from .simulator.trl import TrlGeneration, default_steps_per_generation
 
     if args.trainer is None:
         return None
+    generations = 8 if args.num_generations is None else args.num_generations
+    rows = None
+    if args.trainer == "grpo":
+        rows = args.generation_batch_size
+        if rows is None:
+            steps = args.steps_per_generation or default_steps_per_generation(args.batch_size, generations)
+            rows = args.batch_size * steps
+    utilization = args.vllm_gpu_memory_utilization
+    how = TrlGeneration(
+        use_vllm=args.use_vllm,
+        vllm_mode=args.vllm_mode or "colocate",
+        vllm_gpu_memory_utilization=0.3 if utilization is None else utilization,
+        vllm_enable_sleep_mode=args.vllm_enable_sleep_mode,
+    )
     return TrlStep(
         args.trainer,
         prompt_length=512 if args.prompt_length is None else args.prompt_length,
-        num_generations=8 if args.num_generations is None else args.num_generations,
+        num_generations=generations,
+        generation_batch_size=rows,
         grpo_beta=0.0 if args.beta is None else args.beta,
-        old_log_probs=not args.no_old_log_probs,
+        old_log_probs=args.old_log_probs,
+        precompute_ref_log_probs=args.precompute_ref_log_probs,
+        ref_model=args.ref_model,
+        sync_ref_model=args.sync_ref_model,
+        generation=how,
     )
 
 
 def _check_trl_arguments(args: argparse.Namespace, parser: argparse.ArgumentParser, modes: list[str]) -> None:
     from .modes import parse_mode
+    from .simulator.trl import (
+        BOTH_GENERATION_SIZES,
+        default_steps_per_generation,
+        not_divisible_by_batch,
+        not_divisible_by_generations,
+        too_few_generations,
+    )
 
     trainer = args.trainer
     for option, value, trainers in (
         ("--prompt-length", args.prompt_length, ("dpo", "grpo")),
         ("--completion-length", args.completion_length, ("dpo", "grpo")),
+        ("--ref-model", args.ref_model or None, ("dpo",)),
+        ("--precompute-ref-log-probs", args.precompute_ref_log_probs or None, ("dpo",)),
+        ("--sync-ref-model", args.sync_ref_model or None, ("dpo", "grpo")),
         ("--num-generations", args.num_generations, ("grpo",)),
+        ("--generation-batch-size", args.generation_batch_size, ("grpo",)),
+        ("--steps-per-generation", args.steps_per_generation, ("grpo",)),
         ("--beta", args.beta, ("grpo",)),
-        ("--no-old-log-probs", args.no_old_log_probs or None, ("grpo",)),
+        ("--old-log-probs", None if args.old_log_probs is None else True, ("grpo",)),
+        ("--use-vllm", args.use_vllm or None, ("grpo",)),
     ):
         if value is not None and trainer not in trainers:
             given = "no --trainer" if trainer is None else f"--trainer {trainer}"
             shown = "" if value is True else f" {value:g}"
             parser.error(f"argument {option}:{shown} is for --trainer {' or '.join(trainers)}, not {given}")
+    vllm_options = (
+        ("--vllm-mode", args.vllm_mode),
+        ("--vllm-gpu-memory-utilization", args.vllm_gpu_memory_utilization),
+        ("--vllm-enable-sleep-mode", args.vllm_enable_sleep_mode or None),
+    )
+    for option, value in vllm_options:
+        if value is not None and not args.use_vllm:
+            parser.error(f"argument {option}: configures vLLM: give --use-vllm too (TRL ignores it without use_vllm)")
+        if value is not None and option != "--vllm-mode" and args.vllm_mode == "server":
+            parser.error(f"argument {option}: is for --vllm-mode colocate (the server sizes its own GPUs)")
+    if args.vllm_gpu_memory_utilization is not None and args.vllm_gpu_memory_utilization > 1:
+        parser.error(
+            f"argument --vllm-gpu-memory-utilization: a fraction of the GPU's memory in (0, 1], got "
+            f"{args.vllm_gpu_memory_utilization:g}"
+        )
     if trainer is None:
         return
     if args.liger or any(parse_mode(mode).liger for mode in modes):
@@ -398,12 +489,31 @@ def _check_trl_arguments(args: argparse.Namespace, parser: argparse.ArgumentPars
     for option, on in (("--sp", args.sp > 1), ("--padded", args.padded), ("--offload-params", args.offload_params)):
         if on:
             parser.error(f"argument --trainer: {trainer} with {option} is not simulated (drop {option})")
+    if args.sync_ref_model and args.lora_rank is not None:
+        name = "DPOTrainer" if trainer == "dpo" else "GRPOTrainer"
+        parser.error(f"argument --sync-ref-model: with LoRA {name} keeps no reference model to sync (TRL refuses it)")
+    if trainer == "dpo" and args.sync_ref_model and args.precompute_ref_log_probs:
+        parser.error("argument --sync-ref-model: not with --precompute-ref-log-probs (TRL refuses it: the "
+                     "precomputed reference log-probs would go stale)")  # fmt: skip
+    if trainer != "grpo":
+        return
     generations = 8 if args.num_generations is None else args.num_generations
-    if trainer == "grpo" and args.batch_size > generations:
-        parser.error(
-            f"argument --batch-size: {args.batch_size} rows per policy step is more than the {generations} "
-            "generations of the batch (--num-generations)"
-        )
+    if generations < 2:
+        parser.error(f"argument --num-generations: {too_few_generations(generations)}")
+    if args.sync_ref_model and not args.beta:
+        parser.error("argument --sync-ref-model: with beta 0 (TRL's default) GRPOTrainer keeps no reference model "
+                     "to sync (TRL refuses it): give --beta above 0")  # fmt: skip
+    if args.generation_batch_size is not None and args.steps_per_generation is not None:
+        parser.error(f"argument --steps-per-generation: {BOTH_GENERATION_SIZES}")
+    rows = args.generation_batch_size
+    if rows is None:
+        rows = args.batch_size * (args.steps_per_generation or default_steps_per_generation(args.batch_size,
+                                                                                            generations))  # fmt: skip
+    option = "--generation-batch-size" if args.generation_batch_size is not None else "--steps-per-generation"
+    if rows % args.batch_size:
+        parser.error(f"argument {option}: {not_divisible_by_batch(rows, args.batch_size)}")
+    if rows % generations:
+        parser.error(f"argument {option}: {not_divisible_by_generations(rows, generations)}")
 
 
 def _check_four_bit_arguments(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
@@ -815,6 +925,19 @@ def _non_negative_float(name: str) -> Callable[[str], float]:
         if not value >= 0 or value == float("inf"):
             raise argparse.ArgumentTypeError(f"{name} must be a finite number >= 0, got {text!r}")
         return value
+
+    parse.__name__ = name
+    return parse
+
+
+def _int(name: str) -> Callable[[str], int]:
+    """Any integer: the bounds are checked later, in the words of the config that sets them."""
+
+    def parse(text: str) -> int:
+        try:
+            return int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
 
     parse.__name__ = name
     return parse

@@ -21,6 +21,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 
 from hf_offload.config import HOST_MEMORY_SHARE
+from hf_offload.tools.decode_time import rates
 from hf_offload.tools.devices import (
     ATTENTION_EFFICIENCY,
     MATMUL_EFFICIENCY,
@@ -28,9 +29,18 @@ from hf_offload.tools.devices import (
     Device,
     compute_seconds,
 )
+from hf_offload.tools.grpo_generation import (
+    VLLM_ASSUMPTIONS,
+    VLLM_MAX_NUM_BATCHED_TOKENS,
+    CycleTime,
+    GenerationPlan,
+    cycle_time,
+    vllm_share,
+)
 from hf_offload.tools.modes import parse_mode
 from hf_offload.tools.simulator import Simulator, StepResult, Training, composition
-from hf_offload.tools.simulator.search import LONGEST, LongestSequence, longest_sequence, search_lengths
+from hf_offload.tools.simulator.generation import DECODE_STEPS
+from hf_offload.tools.simulator.search import LONGEST, LongestSequence, Probe, longest_sequence, search_lengths
 from hf_offload.tools.simulator.tiers import (
     DEFAULT_DISK_GBPS,
     DiskTime,
@@ -75,6 +85,19 @@ class ModeEstimate:
     bytes_per_token: float | None = None  # the peak's slope between the search's two lengths
     sp_seconds: float = 0.0  # Ulysses's all-to-alls, in step_seconds (they wait on each other)
     time: StepTime | None = None  # step_seconds by part, and with another attention kernel
+    # GRPO: generation beside the step (`grpo_generation`). `longest` is then the longest completion
+    # both fit, its `at_max` the step there; `step_longest` the step's own search (under what
+    # generation keeps on the GPU during it).
+    generation: GenerationPlan | None = None
+    step_longest: LongestSequence | None = None
+    generation_longest: int | None = None  # the longest completion generation allows
+    generation_reason: str = ""  # what sets it
+    cycle: CycleTime | None = None  # one generation batch's seconds, at the answer (else at seq_len)
+    cycle_length: int | None = None
+    shortest: StepResult | None = None  # where no length fits: the shortest step simulated, to say why
+    # GRPO: the step was simulated only at generation's limit (it fits there; its own limit lies beyond,
+    # not searched), or not at all (generation fits at no length).
+    step_capped: bool = False
 
 
 @dataclass
@@ -136,6 +159,10 @@ class Estimate:
                         {"seq_len": p.seq_len, "peak_bytes": p.peak_bytes, "fits": p.fits} for p in longest.probes
                     ],
                 }
+                if longest.max_seq_len is None:
+                    item["max_seq"]["none_fits"] = none_fits_json(entry)
+            if entry.generation is not None:
+                item["generation"] = generation_json(entry)
             modes[entry.mode] = item
         training = request.training
         best = longest_mode(self)
@@ -168,11 +195,53 @@ class Estimate:
                 "sp_size": training.sp_size,
                 "offload_params": training.offload_params,
                 "four_bit": None if training.four_bit is None else four_bit_json(training.four_bit),
-                "trl": None if training.trl is None else trl_json(training.trl),
+                "trl": None if training.trl is None else trl_json(training.trl, training),
                 "simulated": True,
             },
             "modes": modes,
         }
+
+
+def generation_json(entry: ModeEstimate) -> dict:
+    """GRPO's generation beside the step: how, what it holds, what limits it, the cycle's time."""
+    plan, simulated = entry.generation, entry.generation.simulated
+    length = entry.longest.max_seq_len if entry.longest is not None else entry.cycle_length
+    share = plan.vllm
+    cycle = entry.cycle
+    return {
+        "how": plan.how.describe(),
+        "rows": plan.rows,
+        "prompt_length": plan.prompt_length,
+        "simulated_generate": {
+            "prefill_peak_bytes": simulated.prefill.peak_bytes,
+            "decode_peak_bytes": {"base": simulated.peak.base, "per_token": simulated.peak.per_token,
+                                  "is": "bytes above resident at decode step k: base + per_token x k"},
+            "kv_bytes_per_token": simulated.kv_bytes_per_token,
+            "ops_per_decode_step": simulated.ops,
+            "decode_steps_simulated": len(simulated.steps),
+        },
+        "vllm": None if share is None else {
+            "share_bytes": share.requested, "weights_bytes": share.weights, "profile_bytes": share.profile,
+            "cuda_graph_bytes": share.graphs, "non_torch_bytes": share.non_torch, "kv_cache_bytes": share.kv_bytes,
+            "asleep_bytes": share.asleep, "assumptions": VLLM_ASSUMPTIONS,
+        },
+        "during_step_bytes": plan.during_step,
+        "trainer_resident_bytes": plan.resident,  # weights, the reference model's, optimizer state
+        "workspace_bytes": plan.workspace,
+        "max_seq_len_step": None if entry.step_longest is None or entry.step_capped else entry.step_longest.max_seq_len,
+        "step_checked_at_generation_limit": entry.step_capped,
+        "max_seq_len_generation": entry.generation_longest,
+        "limited_by": entry.generation_reason or None,
+        "seq_len": length,
+        "peak_bytes": None if length is None else plan.peak_bytes(length),
+        "cycle": None if cycle is None else {
+            "seq_len": entry.cycle_length, "seconds_range": [cycle.low, cycle.high],
+            "generation_seconds_range": [cycle.generation_low, cycle.generation_high], "prefill_seconds": cycle.prefill,
+            "decode_seconds_range": [cycle.decode_low, cycle.decode_high], "decode_steps": cycle.steps,
+            "host_bound_steps": cycle.host_bound_steps, "weight_sync_seconds": cycle.sync,
+            "scoring_seconds": cycle.scoring, "training_seconds": cycle.training, "waves": cycle.waves,
+        },
+    }  # fmt: skip
 
 
 def four_bit_json(four_bit) -> dict:
@@ -184,15 +253,26 @@ def four_bit_json(four_bit) -> dict:
     }
 
 
-def trl_json(step) -> dict:
-    """The TRL step's shape; for DPO and GRPO `seq_len` and `max_seq_len` count completion tokens."""
-    item = {"trainer": step.trainer, "trl_version": _trl_version()}
+def trl_json(step, training: Training) -> dict:
+    """The TRL step's shape; for DPO and GRPO `seq_len` and `max_seq_len` count completion tokens.
+    `reference_model`: whether the trainer keeps a second model (its weights are in each peak)."""
+    peft = training.lora_rank is not None
+    item = {"trainer": step.trainer, "trl_version": _trl_version(), "reference_model": step.loads_reference(peft),
+            "reference_pass": step.reference_pass()}  # fmt: skip
     if step.trainer != "sft":
         item["prompt_length"] = step.prompt_length
         item["length_is"] = "completion"
+    if step.trainer == "dpo":
+        item.update(precompute_ref_log_probs=step.precompute_ref_log_probs, ref_model=step.ref_model,
+                    sync_ref_model=step.sync_ref_model)  # fmt: skip
     if step.trainer == "grpo":
-        item.update(num_generations=step.num_generations, beta=step.grpo_beta, old_log_probs=step.old_log_probs,
-                    generation="not simulated: " + GENERATION_NOT_SIMULATED)  # fmt: skip
+        how = step.generation
+        item.update(num_generations=step.num_generations, generation_batch_size=step.generation_rows,
+                    beta=step.grpo_beta, old_log_probs=step.computes_old_log_probs, sync_ref_model=step.sync_ref_model,
+                    use_vllm=how.use_vllm, vllm_mode=how.vllm_mode if how.use_vllm else None,
+                    vllm_gpu_memory_utilization=how.vllm_gpu_memory_utilization if how.colocated else None,
+                    vllm_enable_sleep_mode=how.vllm_enable_sleep_mode if how.colocated else None,
+                    generation=how.describe())  # fmt: skip
     return item
 
 
@@ -209,6 +289,8 @@ def run_estimate(request: Request, *, echo=print, jobs: int | None = None) -> Es
     for mode in request.modes:
         parse_mode(mode)  # a bad name fails before anything runs
     estimate = Estimate(request)
+    if request.training.trl is not None and request.training.trl.trainer == "grpo":
+        rates()  # the decode model's constants, once, before any fork (grpo_generation's time)
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     jobs = min(len(request.modes), cpus) if jobs is None else jobs
     context = multiprocessing.get_context("fork") if "fork" in multiprocessing.get_all_start_methods() else None
@@ -302,8 +384,26 @@ def _estimate_mode(simulator: Simulator, request: Request, mode: str, *, pair=No
             results[seq_len] = step
         return found
 
+    trl = training.trl
+    plan = _generation_plan(simulator, request, mode) if trl is not None and trl.trainer == "grpo" else None
     longest = slope = None
+    capped = False
     if request.memory_bytes is not None:
+        # What generation keeps on the GPU during the step (vLLM colocated) is not the step's.
+        step_memory = request.memory_bytes - (plan.during_step if plan is not None else 0)
+        limit = None
+        if plan is not None and plan.how.on_this_gpu:
+            # Generation on this GPU bounds the answer, and it is known without searching the step:
+            # the step at that bound fits, or the step's own search finds where below it.
+            limit, _reason = plan.longest(request.memory_bytes, request.granularity)
+            capped = limit is None or run(limit, False).peak_bytes <= step_memory
+    if request.memory_bytes is not None and capped:
+        at = None if limit is None else results[limit]
+        longest = LongestSequence(mode, step_memory, request.granularity, max_seq_len=limit, at_max=at,
+                                  reached_limit=False)  # fmt: skip
+        if at is not None:
+            longest.probes.append(Probe(limit, at.peak_bytes, True, at.host_bytes))
+    elif request.memory_bytes is not None:
         lengths = search_lengths(request.config, training, mode, request.seq_len)
         tiered = {}
         if training.disk_memory_bytes is not None and parse_mode(mode).hf_offload:
@@ -322,7 +422,7 @@ def _estimate_mode(simulator: Simulator, request: Request, mode: str, *, pair=No
         longest = longest_sequence(
             run,
             mode=mode,
-            memory_bytes=request.memory_bytes,
+            memory_bytes=step_memory,
             workspace_bytes=training.device.workspace_bytes,
             granularity=request.granularity,
             lengths=lengths,
@@ -333,9 +433,68 @@ def _estimate_mode(simulator: Simulator, request: Request, mode: str, *, pair=No
         slope = (long_.peak_bytes - short.peak_bytes) / (long_.tokens - short.tokens)
     step = run(request.seq_len, False)
     timed = _step_time(step, simulator, request)
+    entry = ModeEstimate(mode, step, timed.seconds, longest, slope, timed.exchange, timed)
+    if longest is not None and longest.max_seq_len is None and not capped:
+        entry.shortest = results[min(results)]
+    if plan is not None:
+        entry.step_capped = capped
+        _with_generation(entry, plan, simulator, request, run)
     for result in results.values():
         result.trace = None  # the per-op lines are only for the search
-    return ModeEstimate(mode, step, timed.seconds, longest, slope, timed.exchange, timed)
+    return entry
+
+
+def _generation_plan(simulator: Simulator, request: Request, mode: str) -> GenerationPlan:
+    """GRPO's generation before a step of `mode` (`grpo_generation`): transformers' generate
+    simulated for the generation batch (its prefill is every path's), and with vLLM colocated its
+    share of the GPU, sized with its profile run simulated as transformers' prefill."""
+    training = request.training
+    trl = training.trl
+    how = trl.generation
+    simulated = simulator.generate(mode, rows=trl.generation_rows, prompt_length=trl.prompt_length)
+    share = None
+    if how.colocated:
+        profile = simulator.generate("none", rows=1, prompt_length=VLLM_MAX_NUM_BATCHED_TOKENS)
+        share = vllm_share(simulator, training.device, how, profile.prefill.peak_bytes, memory=request.memory_bytes)
+    return GenerationPlan(how, trl.generation_rows, trl.prompt_length, simulated, simulator.resident_bytes,
+                          training.device.workspace_bytes, share)  # fmt: skip
+
+
+def _with_generation(entry: ModeEstimate, plan: GenerationPlan, simulator: Simulator, request: Request, run) -> None:
+    """The answer with generation in it: the longest completion that generation and the step
+    both fit (generation's KV cache, or vLLM's, against the step's search under what vLLM keeps
+    during it), the step simulated there, and the GRPO cycle's time at that length."""
+    from dataclasses import replace as replaced
+
+    entry.generation = plan
+    if request.memory_bytes is not None:
+        entry.step_longest = step_longest = entry.longest
+        limit, entry.generation_reason = plan.longest(request.memory_bytes, request.granularity)
+        entry.generation_longest = limit
+        answer = step_longest.max_seq_len
+        if plan.how.on_this_gpu:
+            answer = None if answer is None or limit is None else min(answer, limit)
+        at = None if answer is None else run(answer, False)
+        reached = step_longest.reached_limit and answer == step_longest.max_seq_len
+        entry.longest = replaced(step_longest, max_seq_len=answer, at_max=at, reached_limit=reached)
+    length = entry.longest.max_seq_len if entry.longest is not None and entry.longest.max_seq_len else None
+    length = length or request.seq_len
+    step = run(length, False)
+    timed = _step_time(step, simulator, request)
+    entry.cycle = cycle_time(plan, length, request.training.device, step_seconds=timed.seconds,
+                             scoring_share=scoring_share(step), batch_size=request.training.batch_size,
+                             simulator=simulator)  # fmt: skip
+    entry.cycle_length = length
+
+
+def scoring_share(step: StepResult) -> float:
+    """The share of the step's FLOPs in the no-grad scoring passes (reference, old log-probs)."""
+    total = scoring = 0
+    for (phase, *_where), (matmul, attention) in step.flops_by_tag.items():
+        total += matmul + attention
+        if phase == "scoring":
+            scoring += matmul + attention
+    return scoring / total if total else 0.0
 
 
 def _step_time(step: StepResult, simulator: Simulator, request: Request, kernel: str = "sdpa") -> StepTime:
@@ -434,10 +593,10 @@ def recipe(mode: str, model_type: str = "llama", tile_tokens: int | None = None)
     return lines
 
 
-# One home for what the GRPO estimate leaves out.
-GENERATION_NOT_SIMULATED = (
-    "generation (vLLM, in server mode on other GPUs or colocated on this one) is outside the simulated step: "
-    "colocated, its weights and KV cache need room beside this peak"
+# What the GRPO estimate says of where generation runs, by TRL's setting (one home for each).
+GENERATION_SERVER = (
+    "generation runs in the vLLM server, on other GPUs: this GPU's answer is the training step's; the server's "
+    "GPUs need vLLM's weights and the KV cache of the generation batch"
 )
 
 
@@ -447,9 +606,16 @@ def length_name(training: Training) -> str:
 
 
 def longest_mode(estimate: Estimate) -> ModeEstimate | None:
-    """The mode that trains the longest sequence (the first of equals), if any fits."""
+    """The mode that trains the longest sequence, if any fits; of equals (GRPO's generation can
+    bound several), the one that needs the least host memory, then the fewest lines to add."""
+
+    def rank(entry: ModeEstimate) -> tuple:
+        at = entry.longest.at_max
+        host = (at.host_bytes or 0) if at is not None else 0
+        return entry.longest.max_seq_len, -host, -len(recipe(entry.mode))
+
     found = [entry for entry in estimate.modes if entry.longest is not None and entry.longest.max_seq_len]
-    return max(found, key=lambda entry: entry.longest.max_seq_len, default=None)
+    return max(found, key=rank, default=None)
 
 
 def _headline_lines(estimate: Estimate) -> list[str]:
@@ -458,26 +624,30 @@ def _headline_lines(estimate: Estimate) -> list[str]:
     device = request.training.device
     where = device.name if request.memory_bytes == int(device.memory_gib * GIB) else "the device"
     training = request.training
-    trl = "" if training.trl is None else f", {training.trl.describe()}"
+    trl = "" if training.trl is None else f", {training.trl.describe(peft=training.lora_rank is not None)}"
     lines = [
         f"Longest {length_name(training)} in {size(request.memory_bytes)} ({where}), batch {training.batch_size} "
         f"(simulated){trl}:"
     ]
 
     ordered = sorted(estimate.modes, key=lambda entry: -(entry.longest.max_seq_len or 0))
+    if any(entry.generation is not None for entry in estimate.modes):
+        lines.extend(_generation_how_lines(estimate))
     for entry in ordered:
         longest = entry.longest
         if longest.max_seq_len is None:
             lines.append(f"  {entry.mode:<34}{'none fits':>12}")
+            lines.extend(f"    {line}" for line in _none_fits_lines(entry, request))
             continue
         at = longest.at_max
         value = f">= {LONGEST:,}" if longest.reached_limit else f"{longest.max_seq_len:,}"
         host = f", host {size(at.host_bytes)}" if at.host_bytes else ""
         if at.tiers is not None:
             host = f", {_tiers_needed(at, request)}"
-        lines.append(f"  {entry.mode:<34}{value:>12} tokens  (peak {size(at.peak_bytes)}{host})")
-    if request.training.trl is not None and request.training.trl.trainer == "grpo":
-        lines.append(f"  {GENERATION_NOT_SIMULATED}")
+        what = "step peak" if entry.generation is not None else "peak"
+        lines.append(f"  {entry.mode:<34}{value:>12} tokens  ({what} {size(at.peak_bytes)}{host})")
+        if entry.generation is not None:
+            lines.extend(f"    {line}" for line in _generation_lines(entry, request))
     best = longest_mode(estimate)
     lines.extend(_host_lines(estimate, best))
     if best is not None:
@@ -489,6 +659,119 @@ def _headline_lines(estimate: Estimate) -> list[str]:
             lines.append(f"To train {amount} ({best.mode}), add after loading the model, "
                          "with `import hf_offload`:")  # fmt: skip
             lines.extend(f"    {line}" for line in steps)
+    return lines
+
+
+def _generation_how_lines(estimate: Estimate) -> list[str]:
+    trl = estimate.request.training.trl
+    how = trl.generation
+    lines = [f"  generation: {how.describe()}, {trl.generation_rows} rows decoded together (the generation batch)"]
+    if how.colocated:
+        lines.append(f"    vLLM assumed (not run here): {VLLM_ASSUMPTIONS}")
+    elif not how.use_vllm:
+        lines.append(
+            "    simulated: transformers' generate on the meta device, through the prefill and "
+            f"{DECODE_STEPS} decode steps; the KV cache's growth, exactly linear in the step, extrapolated; every row "
+            "decodes to the longest completion"
+        )
+    else:
+        lines.append(f"    {GENERATION_SERVER}")
+    return lines
+
+
+def _generation_lines(entry: ModeEstimate, request: Request) -> list[str]:
+    """Under a GRPO answer: generation's peak there and what limits each, then the cycle's time."""
+    plan = entry.generation
+    length = entry.longest.max_seq_len
+    step_alone = entry.step_longest.max_seq_len if entry.step_longest is not None else None
+    alone = "none" if step_alone is None else f"{step_alone:,}"
+    if entry.step_capped:
+        alone = "further (the step fits there; its own limit is not searched)"
+    lines = []
+    if plan.how.on_this_gpu:
+        peak = plan.peak_bytes(length)
+        limit = "-" if entry.generation_longest is None else f"{entry.generation_longest:,}"
+        beside = f" beside the {size(plan.during_step)} vLLM keeps during it" if plan.during_step else ""
+        lines.append(
+            f"generation's peak {size(peak)} (set by {entry.generation_reason}: up to {limit}); the step alone"
+            f"{beside} reaches {alone}"
+        )
+    else:
+        rows = plan.rows
+        kv = plan.simulated.kv_bytes_per_token * rows * (plan.prompt_length + length)
+        lines.append(f"the server's GPUs: vLLM's weights and {size(kv)} of KV cache for {rows} rows at that length")
+    cycle = entry.cycle
+    if cycle is not None:
+        lines.append(_cycle_line(entry))
+    return lines
+
+
+def _cycle_line(entry: ModeEstimate) -> str:
+    cycle, plan = entry.cycle, entry.generation
+    micro = plan.rows // (entry.step.batch_size or 1)
+    host = f", {cycle.host_bound_steps:,} of them host-bound at the slow end" if cycle.host_bound_steps else ""
+    sync = f" + weight sync {cycle.sync:.1f} s" if cycle.sync else ""
+    return (
+        f"one generation batch at {entry.cycle_length:,} tokens (simulated; time modelled): {_seconds(cycle.low)}-"
+        f"{_seconds(cycle.high)} = generation {_seconds(cycle.generation_low)}-{_seconds(cycle.generation_high)} "
+        f"(prefill {cycle.prefill:.1f} s + {cycle.steps:,} decode steps{host}{sync}) + scoring "
+        f"{_seconds(cycle.scoring)} + training {_seconds(cycle.training)} ({micro} policy steps)"
+    )
+
+
+def _seconds(value: float) -> str:
+    if value >= 3600:
+        return f"{value / 3600:.1f} h"
+    if value >= 60:
+        return f"{value / 60:.1f} min"
+    return f"{value:.1f} s"
+
+
+def _fixed_parts(entry: ModeEstimate) -> tuple[StepResult, int, dict[str, int], int] | None:
+    """Where the step fits at no length: the shortest step simulated, the memory it had, what no
+    length changes at its peak (weights, reference model, optimizer state, gradients), and the
+    floor no length goes under: the optimizer's step (weights, gradients, optimizer state and its
+    temporaries), or without one what is resident, with the library workspaces."""
+    search = entry.step_longest if entry.step_longest is not None else entry.longest
+    if search is None or search.max_seq_len is not None or entry.shortest is None or search.memory_bytes <= 0:
+        return None
+    step = entry.shortest
+    fixed = {part.phase: part.bytes for part in composition(step.peak) if part.phase in _RESIDENT_PHASES}
+    optimizer = max((n for tag, n in step.tag_peaks.items() if tag[0] == "optimizer"), default=0)
+    resident = step.peak.live_by_tag and sum(n for tag, n in step.peak.live_by_tag.items()
+                                             if tag[0] in ("weights", "reference", "optimizer"))  # fmt: skip
+    floor = max(optimizer, resident or 0) + step.workspace_bytes
+    return step, search.memory_bytes, fixed, floor
+
+
+def none_fits_json(entry: ModeEstimate) -> dict | None:
+    found = _fixed_parts(entry)
+    if found is None:
+        return {"generation": entry.generation_reason} if entry.generation_reason else None
+    step, usable, fixed, floor = found
+    return {"seq_len": step.seq_len, "peak_bytes": step.peak_bytes, "usable_bytes": usable,
+            "fixed_bytes": floor, "fixed_parts_at_peak": fixed, "workspace_bytes": step.workspace_bytes,
+            "generation": entry.generation_reason or None}  # fmt: skip
+
+
+def _none_fits_lines(entry: ModeEstimate, request: Request) -> list[str]:
+    """Why no length fits: what the shortest step simulated held, and the floor no length goes
+    under (the optimizer's step: weights, gradients, optimizer state); or generation's limit."""
+    lines = []
+    found = _fixed_parts(entry)
+    if found is not None:
+        step, usable, fixed, floor = found
+        named = ", ".join(f"{_PHASE_WORDS[phase]} {size(n)}" for phase, n in fixed.items())
+        lines.append(f"at {step.seq_len:,} tokens the step peaks at {size(step.peak_bytes)} of {size(usable)} usable "
+                     f"({_where(step)}; {named} there)")  # fmt: skip
+        what = "weights, gradients and optimizer state" if request.training.optimizer_states else "the weights"
+        if "reference" in fixed:
+            what = what.replace("weights", "weights (the reference model's too)", 1)
+        verdict = "more than the device has: no length fits" if floor > usable else "the rest is the step's"
+        lines.append(f"{what} alone, at any length (the optimizer's step, with the library workspaces), peak at "
+                     f"{size(floor)} of {size(usable)}: {verdict}")  # fmt: skip
+    if entry.generation is not None and entry.generation_longest is None and entry.generation.how.on_this_gpu:
+        lines.append(f"generation: {entry.generation_reason}")
     return lines
 
 
@@ -553,6 +836,11 @@ def format_estimate(estimate: Estimate, *, device_given: bool) -> str:
             lines.append(copies)
         lines.extend(_parallel_lines(entry, request))
         lines.extend(_tier_lines(entry.step, request))
+        if entry.generation is not None and request.memory_bytes is None:
+            peak = entry.generation.peak_bytes(entry.cycle_length)
+            where = "on the server's GPUs" if peak is None else f"peak {size(peak)} on this GPU"
+            lines.append(f"  generation at {entry.cycle_length:,} tokens ({entry.generation.how.describe()}): {where}")
+            lines.append(f"  {_cycle_line(entry)}")
     if request.memory_bytes is not None:
         lines.append("")
         lines.extend(_longest_lines(estimate))
@@ -589,7 +877,7 @@ def _setup_line(request: Request) -> str:
         padded += ", weights and optimizer on the host (ZeRO-3 offload)"
     step, length = "the loss", f"{request.seq_len} tokens"
     if training.trl is not None:
-        padded += f", {training.trl.describe()}"
+        padded += f", {training.trl.describe(peft=training.lora_rank is not None)}"
         step = "TRL's fused loss head"
         if training.trl.trainer != "sft":
             length = f"{request.seq_len}-token completions"
@@ -618,8 +906,11 @@ def _where(step: StepResult) -> str:
     return f"in {phase}{place}, at aten.{op}{node}"
 
 
+_RESIDENT_PHASES = ("weights", "reference", "optimizer", "gradients")
 _PHASE_WORDS = {
     "weights": "weights",
+    "reference": "the reference model's weights",
+    "scoring": "made under no_grad (reference, old log-probs) by",
     "gradients": "gradients",
     "optimizer": "optimizer state",
     "forward": "made in forward by",

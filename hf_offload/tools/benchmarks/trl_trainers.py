@@ -5,7 +5,18 @@ and tokens/s.
         [--setups neither trl_offload hf_offload hf_offload_tiled] [--preset 1b] [--no-checkpointing] [--lora-rank R]
         [--simulate]
     python -m hf_offload.tools.benchmarks.trl_trainers --stage tiling   # long sequences, tiled, beside the simulator
+    python -m hf_offload.tools.benchmarks.trl_trainers --stage generation   # GRPO's generation beside the simulator
     python -m hf_offload.tools.benchmarks.trl_trainers --device cpu   # smoke run: tiny preset, a few tokens
+
+`--stage generation`: GRPOTrainer with generation on the GPU, at two completion lengths (1,024
+and 4,096 tokens after a 512-token prompt; 4 generations, a generation batch of 4; LoRA r=16;
+checkpointing + hf_offload + tiling), with transformers' `generate` (TRL's default) and, where
+vLLM imports, vLLM colocated (TRL's defaults: 0.3 of the GPU, no sleep mode) and with sleep mode.
+Each phase's peak and time: generation (`torch.cuda.max_memory_allocated` and `_reserved` over
+`generate`, or for vLLM the device's used memory from `torch.cuda.mem_get_info`, its pools being
+outside PyTorch's counters with sleep mode) and the rest of the step (scoring and the policy step),
+beside what `hf-offload estimate --trainer grpo` simulates for each (generation's peak, the step's
+peak, the decode time's range).
 
 `--stage tiling`: checkpointing + hf_offload + sequence tiling (`hf_offload_tiled`) where TRL's
 fused head computes the loss, SFT at 65,536 and 131,072 tokens and GRPO with 4,096-token
@@ -72,6 +83,9 @@ SIMULATED_SETUPS = ("neither", "hf_offload", "hf_offload_tiled")
 # --stage tiling: the lengths and setup it runs unless given.
 TILING_STAGE = dict(setups=["hf_offload_tiled"], sft_seq_lens=[65536, 131072], completion_length=4096,
                     prompt_length=512, steps=2)  # fmt: skip
+# --stage generation: completion lengths, prompt, generations, steps, LoRA rank (each unless given).
+GENERATION_STAGE = dict(completion_lengths=[1024, 4096], prompt_length=512, generations=4, steps=2, lora_rank=16)
+GENERATORS = ("transformers", "vllm", "vllm_sleep")
 SPECIAL = ("<pad>", "<unk>", "<bos>", "<eos>")
 PAD, UNK, BOS, EOS = range(len(SPECIAL))
 
@@ -423,14 +437,215 @@ def markdown_table(records: list[Record]) -> str:
     return "\n".join(lines)
 
 
+@dataclass
+class GenerationRecord:
+    """One GRPO run of the generation stage: each phase's measured peak and time, and the
+    simulator's figures for the same setup."""
+
+    generator: str  # "transformers", "vllm" (colocated) or "vllm_sleep"
+    completion: int
+    status: str
+    generate_peak_bytes: int | None = None  # PyTorch's allocated bytes over generation (transformers)
+    generate_reserved_bytes: int | None = None  # and its caching allocator's reserved bytes
+    generate_device_used_bytes: int | None = None  # the device's used memory after generation (vLLM's pools too)
+    generate_seconds: float | None = None
+    step_peak_bytes: int | None = None  # the rest of the training step: scoring and the policy step
+    step_seconds: float | None = None
+    simulated_generate_peak_bytes: int | None = None
+    simulated_step_peak_bytes: int | None = None
+    predicted_generate_seconds: tuple[float, float] | None = None
+
+
+def _simulated_generation(generator: str, completion: int, options: Options, prompt: int):
+    """What `hf-offload estimate --trainer grpo` gives for this run: generation's peak on this GPU,
+    the step's peak and generation's time range (the setup hf_offload_tiled, AdamW, bf16)."""
+    from hf_offload.tools import grpo_generation
+    from hf_offload.tools.devices import DEVICES
+    from hf_offload.tools.simulator import Simulator, Training, TrlStep
+    from hf_offload.tools.simulator.trl import TrlGeneration
+
+    config = preset_config(options.preset)
+    config.update(dict(pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS))
+    config.update(dict(max_position_embeddings=options.max_positions))
+    how = TrlGeneration(use_vllm=generator != "transformers", vllm_enable_sleep_mode=generator == "vllm_sleep")
+    step = TrlStep("grpo", prompt_length=prompt, num_generations=options.generations,
+                   generation_batch_size=options.generations, generation=how)  # fmt: skip
+    name = torch.cuda.get_device_name(options.device) if options.device.type == "cuda" else ""
+    device = next((DEVICES[key] for tag, key in (("H200", "h200"), ("H100", "h100-80gb"), ("A100", "a100-80gb"))
+                   if tag in name), DEVICES["h200"])  # fmt: skip
+    training = Training(dtype=torch.bfloat16, lora_rank=options.lora_rank or None, optimizer_states=2,
+                        batch_size=options.generations, device=device, trl=step)  # fmt: skip
+    mode = ("checkpointing+" if options.checkpointing else "") + "hf_offload+tiled"
+    simulator = Simulator(config, training)
+    simulated = simulator.generate(mode, rows=options.generations, prompt_length=prompt)
+    share = None
+    if how.colocated:
+        profile = simulator.generate("none", rows=1, prompt_length=grpo_generation.VLLM_MAX_NUM_BATCHED_TOKENS)
+        share = grpo_generation.vllm_share(simulator, device, how, profile.prefill.peak_bytes)
+    plan = grpo_generation.GenerationPlan(how, options.generations, prompt, simulated, simulator.resident_bytes,
+                                          device.workspace_bytes, share)  # fmt: skip
+    step_result = simulator.run(mode, completion)
+    cycle = grpo_generation.cycle_time(plan, completion, device, step_seconds=0.0, scoring_share=0.0,
+                                       batch_size=options.generations, simulator=simulator)  # fmt: skip
+    return plan.peak_bytes(completion), step_result.peak_bytes, (cycle.generation_low, cycle.generation_high)
+
+
+def measure_generation(generator: str, completion: int, prompt: int, tokenizer, options: Options) -> GenerationRecord:
+    """One GRPO run (hf_offload_tiled) generating with `generator`; the last step's phases."""
+    from datasets import Dataset
+    from transformers import PrinterCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+
+    cuda = options.device.type == "cuda"
+    synchronize = torch.cuda.synchronize if cuda else (lambda: None)
+    model = trainer = None
+    phases: dict[str, float | int | None] = {}
+    try:
+        model = build_model(options)
+        model.enable_activation_offloading(**({} if cuda else dict(simulate_on_cpu=True, min_offload_bytes=0)))
+        model.enable_sequence_tiling()
+        peft_config = None
+        if options.lora_rank:
+            from peft import LoraConfig
+
+            peft_config = LoraConfig(r=options.lora_rank, target_modules="all-linear", task_type="CAUSAL_LM")
+        vllm = {}
+        if generator != "transformers":
+            vllm = dict(use_vllm=True, vllm_mode="colocate", vllm_enable_sleep_mode=generator == "vllm_sleep",
+                        vllm_max_model_length=prompt + completion)  # fmt: skip
+        vocab = model.config.vocab_size
+        with tempfile.TemporaryDirectory() as output_dir:
+            config = GRPOConfig(
+                output_dir=output_dir, max_steps=options.steps, learning_rate=1e-5, logging_steps=1,
+                save_strategy="no", report_to=[], disable_tqdm=True, seed=0, use_cpu=not cuda,
+                bf16=options.dtype == torch.bfloat16, per_device_train_batch_size=options.generations,
+                num_generations=options.generations, max_completion_length=completion,
+                generation_kwargs={"min_new_tokens": completion},
+                **{checkpointing_field(GRPOConfig): options.checkpointing}, **vllm,
+            )  # fmt: skip
+            prompts = [words(prompt, vocab, seed) for seed in range(options.steps + 1)]
+            trainer = GRPOTrainer(model=model, reward_funcs=length_reward, args=config,
+                                  train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tokenizer,
+                                  peft_config=peft_config)  # fmt: skip
+            trainer.remove_callback(PrinterCallback)
+            owner = trainer.model if generator == "transformers" else trainer.vllm_generation
+            generate, training_step = owner.generate, trainer.training_step
+
+            def measured_generate(*args, **kwargs):
+                synchronize()
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats()
+                start = time.perf_counter()
+                output = generate(*args, **kwargs)
+                synchronize()
+                phases["generate_seconds"] = time.perf_counter() - start
+                if cuda:
+                    phases["generate_peak"] = torch.cuda.max_memory_allocated()
+                    phases["generate_reserved"] = torch.cuda.max_memory_reserved()
+                    free, total = torch.cuda.mem_get_info()
+                    phases["generate_used"] = total - free
+                    torch.cuda.reset_peak_memory_stats()  # from here: scoring and the policy step
+                phases["after_generate"] = time.perf_counter()
+                return output
+
+            def measured_step(*args, **kwargs):
+                synchronize()
+                start = time.perf_counter()
+                phases["after_generate"] = None
+                loss = training_step(*args, **kwargs)
+                synchronize()
+                begun = phases["after_generate"] or start
+                phases["step_seconds"] = time.perf_counter() - begun
+                phases["step_peak"] = torch.cuda.max_memory_allocated() if cuda else None
+                return loss
+
+            owner.generate = measured_generate
+            trainer.training_step = measured_step
+            trainer.train()
+        return GenerationRecord(
+            generator, completion, "ok", generate_peak_bytes=phases.get("generate_peak"),
+            generate_reserved_bytes=phases.get("generate_reserved"),
+            generate_device_used_bytes=phases.get("generate_used"), generate_seconds=phases.get("generate_seconds"),
+            step_peak_bytes=phases.get("step_peak"), step_seconds=phases.get("step_seconds"),
+        )  # fmt: skip
+    finally:
+        del trainer, model
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+
+
+def run_generation_stage(generators, completions, prompt: int, options: Options, report, simulate: bool):
+    tokenizer = offline_tokenizer(PRESET_CONFIGS[PRESET_ALIASES.get(options.preset, options.preset)]["vocab_size"])
+    records = []
+    for generator in generators:
+        reason = None
+        if generator != "transformers":
+            try:
+                import vllm  # noqa: F401
+            except ImportError as error:
+                reason = f"skipped: vLLM does not import here ({type(error).__name__})"
+        for completion in completions:
+            if reason is not None:
+                record = GenerationRecord(generator, completion, reason)
+            else:
+                try:
+                    record = measure_generation(generator, completion, prompt, tokenizer, options)
+                except Exception as error:  # recorded, never fatal to the run
+                    oom = bench._is_oom(error)
+                    record = GenerationRecord(generator, completion, "oom" if oom else
+                                              f"failed: {type(error).__name__}: {str(error)[:160]}")  # fmt: skip
+            if simulate and not record.status.startswith("skipped"):
+                simulated = _simulated_generation(generator, completion, options, prompt)
+                record.simulated_generate_peak_bytes, record.simulated_step_peak_bytes = simulated[:2]
+                record.predicted_generate_seconds = simulated[2]
+            records.append(record)
+            report(record)
+    return records
+
+
+def generation_table(records: list[GenerationRecord]) -> str:
+    def gib(value) -> str:
+        return "-" if value is None else f"{value / 2**30:.2f}"
+
+    def seconds(value) -> str:
+        return "-" if value is None else f"{value:.1f}"
+
+    lines = [
+        "| generator | completion | generate peak GiB | simulated | reserved GiB | device used GiB | generate s "
+        "| predicted s | step peak GiB | simulated | step s | status |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in records:
+        low_high = r.predicted_generate_seconds
+        predicted = "-" if low_high is None else f"{low_high[0]:.1f}-{low_high[1]:.1f}"
+        lines.append(
+            f"| {r.generator} | {r.completion} | {gib(r.generate_peak_bytes)} "
+            f"| {gib(r.simulated_generate_peak_bytes)} | {gib(r.generate_reserved_bytes)} "
+            f"| {gib(r.generate_device_used_bytes)} | {seconds(r.generate_seconds)} | {predicted} "
+            f"| {gib(r.step_peak_bytes)} | {gib(r.simulated_step_peak_bytes)} | {seconds(r.step_seconds)} "
+            f"| {r.status} |"
+        )
+    return "\n".join(lines)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="cpu: a smoke run (default cuda)")
     parser.add_argument(
-        "--stage", choices=("tiling",), default=None,
+        "--stage", choices=("tiling", "generation"), default=None,
         help="tiling: hf_offload_tiled, SFT at 65536 and 131072 tokens, GRPO with 4096-token completions after a "
-        "512-token prompt, 2 steps, --simulate (each unless given)",
+        "512-token prompt, 2 steps, --simulate (each unless given); generation: GRPO generating on the GPU at "
+        "--completion-lengths (default 1024 4096) after a 512-token prompt, 4 generations, LoRA r=16, each phase's "
+        "peak and time beside the simulator's",
     )  # fmt: skip
+    parser.add_argument(
+        "--generators", nargs="+", choices=GENERATORS, default=list(GENERATORS),
+        help="--stage generation: transformers' generate, vLLM colocated, vLLM colocated with sleep mode",
+    )  # fmt: skip
+    parser.add_argument("--completion-lengths", type=int, nargs="+", help="--stage generation: completion tokens")
+    parser.add_argument("--prompt-length", type=int, help="--stage generation: prompt tokens (default 512; cpu 8)")
     parser.add_argument(
         "--simulate", action="store_true",
         help="beside each measured peak, the simulator's for the same step (hf-offload estimate --trainer)",
@@ -452,6 +667,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     cpu = args.device == "cpu"
     defaults = dict(seq_lens=[32, 48], steps=2, preset="tiny", completion_length=4) if cpu else {}
     stage = {}
+    if args.stage == "generation":
+        args.simulate = True
+        generation = dict(GENERATION_STAGE)
+        if cpu:
+            generation.update(completion_lengths=[6, 8], prompt_length=8, generations=2, lora_rank=4)
+        for name in ("completion_lengths", "prompt_length"):
+            if getattr(args, name) is None:
+                setattr(args, name, generation[name])
+        if args.lora_rank == 0:
+            args.lora_rank = generation["lora_rank"]
+        if args.generations == 2 and not cpu:
+            args.generations = generation["generations"]
+        stage = dict(steps=generation["steps"], trainers=["grpo"])
     if args.stage == "tiling":
         args.simulate = True
         stage = dict(setups=TILING_STAGE["setups"], steps=TILING_STAGE["steps"])
@@ -465,8 +693,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         grpo = TILING_STAGE["prompt_length"] + (args.completion_length or TILING_STAGE["completion_length"])
         args.lengths = {"sft": TILING_STAGE["sft_seq_lens"], "grpo": [grpo]}
     for name, value in defaults.items():
-        if getattr(args, name) is None:
+        if getattr(args, name, None) is None:
             setattr(args, name, value)
+    if args.stage == "generation":
+        args.lengths = {"grpo": [args.prompt_length + n for n in args.completion_lengths]}
+        args.trainers = ["grpo"]
     checks = [
         (args.steps >= 1, f"--steps must be at least 1, got {args.steps}"),
         (args.generations >= 2, f"--generations must be at least 2 (GRPO compares a group), got {args.generations}"),
@@ -476,6 +707,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ]
     if args.lengths is None:
         args.lengths = {trainer: args.seq_lens for trainer in args.trainers}
+    if args.stage != "generation":
+        args.completion_lengths, args.prompt_length = None, None
     too_short = [n for n in args.lengths.get("grpo", []) if n <= args.completion_length]
     checks.append(
         (
@@ -550,6 +783,10 @@ def main(argv=None) -> int:
         tps = "" if record.tokens_per_second is None else f", {record.tokens_per_second:.0f} tokens/s"
         print(f"  {record.trainer:<5} {record.setup:<12} seq {record.seq_len:>6}: {record.status}{tps}", flush=True)
 
+    def report_generation(record: GenerationRecord) -> None:
+        taken = "" if record.generate_seconds is None else f", generate {record.generate_seconds:.1f} s"
+        print(f"  grpo {record.generator:<12} completion {record.completion:>6}: {record.status}{taken}", flush=True)
+
     start = time.perf_counter()
     # Quiet while it runs (the trainers' advice and progress bars would bury the table), and
     # everything put back after, for a caller that runs main() in its own process.
@@ -565,7 +802,10 @@ def main(argv=None) -> int:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             records = []
-            for trainer_name in args.trainers:
+            if args.stage == "generation":
+                records = run_generation_stage(args.generators, args.completion_lengths, args.prompt_length, options,
+                                               report_generation, simulate=args.simulate)  # fmt: skip
+            for trainer_name in args.trainers if args.stage != "generation" else ():
                 records += run_all([trainer_name], args.setups, args.lengths[trainer_name], options, report,
                                    simulate=args.simulate)  # fmt: skip
     finally:
@@ -574,6 +814,9 @@ def main(argv=None) -> int:
         if bars:
             datasets.enable_progress_bars()
     print(f"\n{len(records)} runs in {time.perf_counter() - start:.0f} s\n")
+    if args.stage == "generation":
+        print(generation_table(records))
+        return 1 if any(r.generator == "transformers" and r.status.startswith("failed") for r in records) else 0
     print(markdown_table(records))
     leaked = [r for r in records if r.leftover_bytes and r.leftover_bytes > 256 * 2**20]
     for r in leaked:

@@ -103,7 +103,7 @@ class _Effect:
 def _counts(account: Account) -> tuple:
     compute = {key: value for key, value in account.compute.items() if value}
     by_tag = {tag: tuple(counts) for tag, counts in account.flops_by_tag.items() if any(counts)}
-    return account.matmul_flops, account.attention_flops, account.traffic_bytes, compute, by_tag
+    return account.matmul_flops, account.attention_flops, account.traffic_bytes, account.operand_bytes, compute, by_tag
 
 
 @dataclass
@@ -635,6 +635,7 @@ def _effect(account: Account, base: int, base_tags: dict[tuple, int]) -> _Effect
     counts = Account()
     counts.matmul_flops, counts.attention_flops = account.matmul_flops, account.attention_flops
     counts.traffic_bytes = account.traffic_bytes
+    counts.operand_bytes = account.operand_bytes
     counts.compute.update(account.compute)
     for tag, values in account.flops_by_tag.items():
         counts.flops_by_tag[tag] = list(values)

@@ -39,6 +39,7 @@ from hf_offload.tools.devices import DEVICES, Device
 from hf_offload.tools.modes import NEEDS_ACCELERATOR, Mode, parse_mode, set_checkpointing, set_liger_flce
 
 from .four_bit import FourBit, dequantizing_gemm, quantize, quantized_state_tensors
+from .generation import DECODE_STEPS, GenerationResult, result_from_steps, run_generate
 from .memo import SliceMemo
 from .stand_ins import (
     UlyssesTraffic,
@@ -49,7 +50,7 @@ from .stand_ins import (
     simulated_ulysses,
 )
 from .tracker import MemoryTracker, Peak
-from .trl import TrlStep, fused_head_added, fused_head_as_on_cuda, trl_step
+from .trl import TrlStep, fused_head_added, fused_head_as_on_cuda, not_divisible_by_batch, trl_step
 
 # Modes whose offloading is not hf_offload's: they need pinned memory or an accelerator.
 NOT_SIMULATED = NEEDS_ACCELERATOR
@@ -132,6 +133,9 @@ class Training:
                              ("offload_params", self.offload_params)) if on]  # fmt: skip
             if not_simulated:
                 raise ValueError(f"a TRL step with {', '.join(not_simulated)} is not simulated")
+            self.trl.check_tuning(peft=self.lora_rank is not None)
+            if self.trl.trainer == "grpo" and self.trl.generation_rows % self.batch_size:
+                raise ValueError(not_divisible_by_batch(self.trl.generation_rows, self.batch_size))
         if self.host_memory_bytes is not None and self.host_memory_bytes <= 0:
             raise ValueError(f"host_memory_bytes must be > 0 or None, got {self.host_memory_bytes}")
         if self.disk_memory_bytes is not None:
@@ -467,7 +471,35 @@ class Simulator:
         if training.optimizer_states and not training.offload_params:  # offloaded, the optimizer steps on the host
             self._create_optimizer_state()
         self.labels, self.hooked = _module_labels(self.base)
-        self.resident_bytes = self.tracker.live  # weights and optimizer state
+        self.reference = self._reference_model(config) if training.trl is not None else None
+        self.resident_bytes = self.tracker.live  # weights, the reference model's, optimizer state
+
+    def _reference_model(self, config):
+        """The second model a TRL trainer keeps on the device (`TrlStep.loads_reference`): loaded
+        with `from_pretrained` in the policy's dtype (quantized as the policy's base is, where one
+        is given to a QLoRA policy), in eval mode, without the policy's adapters, checkpointing,
+        offloading or tiling (TRL builds it from the path; nothing of the policy's is applied)."""
+        from transformers import AutoModelForCausalLM
+
+        training = self.training
+        if not training.trl.loads_reference(peft=training.lora_rank is not None):
+            return None
+        with torch.device("meta"):
+            reference = AutoModelForCausalLM.from_config(config, dtype=training.dtype)
+        if training.four_bit is not None:
+            reference = quantize(reference, training.four_bit, training.dtype)
+        reference.eval()
+        reference.requires_grad_(False)
+        tag, self.tracker.tag = self.tracker.tag, ("reference",)
+        for tensor in (*reference.parameters(), *reference.buffers(), *quantized_state_tensors(reference)):
+            self.tracker.adopt(tensor)
+        self.tracker.tag = tag
+        return reference
+
+    @property
+    def reference_bytes(self) -> int:
+        """The reference model's weights (0 without one)."""
+        return sum(n for tag, n in self.tracker.live_by_tag.items() if tag[0] == "reference")
 
     @property
     def weight_bytes(self) -> int:
@@ -557,12 +589,43 @@ class Simulator:
             if training.trl is not None:
                 # After tiling and offloading, as a TRL trainer adds its head to the model it is given.
                 stack.enter_context(fused_head_added(base, training.trl.trainer))
+                if self.reference is not None:
+                    stack.enter_context(fused_head_added(self.reference, training.trl.trainer, reference=True))
                 self.scoring = stack.enter_context(fused_head_as_on_cuda(training.trl.kernel))
             if training.sp_size > 1:
                 # After tiling's wrappers: Ulysses gathers the sequence, then attention tiled over heads runs.
                 implementation = base.config._attn_implementation or "sdpa"
                 stack.enter_context(simulated_ulysses(implementation, training.sp_size, self.traffic))
             yield
+
+    def generate(self, mode: str | Mode, *, rows: int, prompt_length: int, padded: bool = False,
+                 generation_kwargs: dict | None = None) -> GenerationResult:  # fmt: skip
+        """GRPO's generation before a step of `mode`: transformers' `generate` on this model as TRL
+        calls it (`generation.py`), for `rows` prompts of `prompt_length` tokens, through the
+        prefill and DECODE_STEPS decode steps; what it holds is counted above `resident_bytes`, and
+        its decode steps are lines in the step."""
+        parsed = mode if isinstance(mode, Mode) else parse_mode(mode)
+        if parsed.base in NOT_SIMULATED:
+            raise ValueError(f"mode {parsed.name!r} cannot be simulated: {NOT_SIMULATED[parsed.base]}")
+        started = time.perf_counter()
+        tracker = self.tracker
+        with self._configured(parsed), tracker:
+            # TRL switches checkpointing off around generation (unwrap_model_for_generation).
+            set_checkpointing(self.base, False)
+            tracker.start(trace=False)
+            counts, answered = run_generate(
+                self.model, self.base, tracker, rows=rows, prompt_length=prompt_length, padded=padded,
+                max_new_tokens=DECODE_STEPS + 2, generation_kwargs=generation_kwargs,
+            )  # fmt: skip
+            tracker.finish()
+        gc.collect()
+        leaked = tracker.live - self.resident_bytes
+        if leaked:
+            raise RuntimeError(f"the simulated generation left {leaked} bytes allocated after it (a reference kept?)")
+        result = result_from_steps(counts, rows=rows, prompt_length=prompt_length, padded=padded,
+                                   config=self.config, kv_dtype=self.training.dtype, answered=answered)  # fmt: skip
+        result.seconds = time.perf_counter() - started
+        return result
 
     def _memo_modules(self) -> list[torch.nn.Module]:
         """What tiling may run slice by slice: the decoder layers' parts (not the layers), lm_head."""
@@ -592,7 +655,8 @@ class Simulator:
             with torch.autocast("cpu", dtype=training.autocast or torch.bfloat16, enabled=autocast):
                 if training.trl is not None:
                     loss = trl_step(self.model, training.trl, batch_size=training.batch_size, seq_len=rank_tokens,
-                                    device="meta", scoring=self.scoring)  # fmt: skip
+                                    device="meta", scoring=self.scoring, reference=self.reference,
+                                    phase=lambda name: attribution.enter_phase(name, "inputs"))  # fmt: skip
                 else:
                     ids = torch.zeros((training.batch_size, rank_tokens), dtype=torch.long, device="meta")
                     inputs = dict(input_ids=ids, labels=ids)
@@ -658,13 +722,16 @@ def _targets(targets: str | tuple[str, ...]):
 
 PHASES = {
     "weights": "weights",
+    "reference": "the reference model's weights",
     "gradients": "gradients",
     "optimizer": "optimizer state",
     "forward": "forward",
+    "scoring": "scoring under no_grad (reference and old log-probabilities)",
     "recompute": "recomputed in backward",
     "backward": "backward",
     "restored": "brought back by hf_offload",
 }
+_RESIDENT = ("weights", "reference", "gradients", "optimizer")
 _NAMES = {"loss": "loss head", "lm_head": "loss head", "norm": "final norm", "embed_tokens": "embeddings"}
 _LAYER = re.compile(r"layer (\d+)(?: (.+))?$")
 
@@ -686,10 +753,10 @@ def composition(peak: Peak) -> list[Part]:
     parts: dict[tuple[str, str], int] = {}
     for (phase, *where), nbytes in peak.live_by_tag.items():
         label = where[0] if where else ""
-        if phase in ("weights", "gradients", "optimizer"):
+        if phase in _RESIDENT:
             label = ""
         match = _LAYER.match(label)
-        if match and phase not in ("weights", "gradients", "optimizer"):
+        if match and phase not in _RESIDENT:
             per_layer.setdefault(phase, {}).setdefault(int(match.group(1)), 0)
             per_layer[phase][int(match.group(1))] += nbytes
             continue

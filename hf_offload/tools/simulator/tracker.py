@@ -101,6 +101,7 @@ class Account:
         self.attention_flops = 0  # over the whole square, as flop_counter counts
         self.compute: dict[tuple[str, torch.dtype], float] = defaultdict(float)  # what the kernels run
         self.traffic_bytes = 0
+        self.operand_bytes = 0  # what the ops with FLOPs (matmuls, attention) read and write
         self.flops_by_tag: dict[tuple, list[int]] = defaultdict(lambda: [0, 0])  # tag -> [matmul, attention]
 
     def settle(self) -> None:
@@ -398,6 +399,7 @@ class MemoryTracker(TorchDispatchMode):
         account.matmul_flops += other.matmul_flops
         account.attention_flops += other.attention_flops
         account.traffic_bytes += other.traffic_bytes
+        account.operand_bytes += other.operand_bytes
         for key, value in other.compute.items():
             account.compute[key] += value
         for tag, (matmul, attention) in other.flops_by_tag.items():
@@ -450,6 +452,7 @@ class MemoryTracker(TorchDispatchMode):
                 flops = formula(*args, **kwargs, out_val=out)
             counts = account.flops_by_tag[self.tag]
             dtype = _first_dtype(outputs)
+            account.operand_bytes += _tensor_bytes(args) + _tensor_bytes(outputs)
             if kind is ATTENTION:
                 account.attention_flops += flops
                 counts[1] += flops
