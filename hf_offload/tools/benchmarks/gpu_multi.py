@@ -120,7 +120,7 @@ class CountedExchange:
 
 def build(args: argparse.Namespace, mode: str, config: dict):
     import deepspeed
-    from transformers import AutoModelForCausalLM
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoModelForCausalLM
 
     import hf_offload
     from hf_offload.tools.presets import preset_config
@@ -130,6 +130,10 @@ def build(args: argparse.Namespace, mode: str, config: dict):
         model_config.num_hidden_layers = 2
     model_config.use_cache = False
     model_config._attn_implementation = "sdpa"
+    # The model's class is imported before zero.Init: a class first created inside it loses the
+    # __init__ that kernels' use_kernelized_func gives it (transformers >= 5.25) when zero.Init
+    # exits, and the next model built in this process dies in its first forward on _kernel_funcs.
+    MODEL_FOR_CAUSAL_LM_MAPPING[type(model_config)]
     torch.manual_seed(0)
     with deepspeed.zero.Init(config_dict_or_path=config):
         model = AutoModelForCausalLM.from_config(
