@@ -9,7 +9,7 @@ base) or QLoRA (nf4, double quantization, bf16 compute and adapters), batch 1, 8
 512-token prompt, AdamW; generation as TRL 1.16 runs it by default (transformers' generate), vLLM
 colocated (TRL's 0.3 of the GPU) without and with sleep mode, and with sleep mode at the largest
 vllm_gpu_memory_utilization with which vLLM's share and the trainer's weights and optimizer state fit
-while it generates.
+while it generates (Unsloth's setups with sleep mode too).
 """
 
 from __future__ import annotations
@@ -122,7 +122,13 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({"cell": list(key), **found}), flush=True)
     if "unsloth" in args.cells:
         for key, cell_args in unsloth_cells():
-            print(json.dumps({"cell": list(key), **cell(cell_args)}), flush=True)
+            found = cell(cell_args)
+            print(json.dumps({"cell": list(key), **found}), flush=True)
+            if "--vllm-enable-sleep-mode" in cell_args:
+                # As the table's last column: sleep mode at the largest share that fits.
+                utilization = largest_utilization(found)
+                best = [*cell_args, "--vllm-gpu-memory-utilization", f"{utilization:g}"]
+                print(json.dumps({"cell": [*key[:2], f"vllm_sleep_{utilization:g}"], **cell(best)}), flush=True)
     return 0
 
 
