@@ -30,6 +30,7 @@ from hf_offload.internal import (
     MetaStreams,
     TierPlan,
     device_streams,
+    find_final_norm,
     place_last_pass,
     resolve_layers,
     simulated_device,
@@ -564,9 +565,14 @@ class Simulator:
             yield
 
     def _memo_modules(self) -> list[torch.nn.Module]:
-        """What tiling may run slice by slice: the decoder layers' parts (not the layers), lm_head."""
+        """What tiling may run slice by slice: the decoder layers' parts (not the layers), the final
+        norm (a per-token module of its own, and a stage of the tiled loss where lm_head takes its
+        output) and lm_head."""
         _adapter, layers = resolve_layers(self.base)
         modules = [module for layer in layers for module in layer.modules() if module is not layer]
+        norm = find_final_norm(self.base, layers)
+        if norm is not None:
+            modules.append(norm)
         head = self.base.get_output_embeddings() if hasattr(self.base, "get_output_embeddings") else None
         if isinstance(head, torch.nn.Module):
             modules.append(head)
