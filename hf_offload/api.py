@@ -48,21 +48,13 @@ class _Controller:
         self.unmovable: list[int] | None = None  # layer ids found inside a checkpoint we cannot wrap
         self.installations = 0
         self._outside: _ModuleCache = _ModuleCache()
-        self.embeddings_hook = None  # records the input embeddings' output of each pass
-        self.embeddings_output: weakref.ref | None = None
-        # Hooks on the modules enclosing the embeddings, and how many of their calls are open: only
-        # an output the embeddings produce inside the model's own call is the model's.
-        self.pass_hooks: list = []
-        self.pass_depth = 0
+        self.embeddings_hook = None  # marks the output the model's own forward gets from its input embeddings
         self.anchor: torch.Tensor | None = None  # what layer 0's detoured input depends on for autograd
 
     def __getstate__(self) -> dict:
         # A pickled or deep-copied model offloads as this one does, from a fresh start: what was
         # learnt about the layers and their storages belongs to this model's process.
-        return {
-            **self.__dict__, "paused": False, "unmovable": None, "_outside": _ModuleCache(), "embeddings_output": None,
-            "pass_depth": 0,
-        }  # fmt: skip
+        return {**self.__dict__, "paused": False, "unmovable": None, "_outside": _ModuleCache()}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -310,37 +302,34 @@ class _EagerScope:
             self.controller.engine.exit_layer(self.group, self.slot.name)
 
 
-def _record_embeddings_output(controller: _Controller, module: nn.Module, args, output) -> None:
+# Set on the output of the input embeddings when a forward of the model they belong to called them.
+MODELS_EMBEDDINGS_ATTR = "_hf_offload_models_embeddings"
+_MODULE_CALL_FILE = nn.Module.__call__.__code__.co_filename  # torch's Module.__call__ and hooks' machinery
+
+
+def _mark_the_models_embeddings(module: nn.Module, args, output) -> None:
     """Forward hook on the input embeddings (registered after PEFT's, which makes their output
-    require grad under checkpointing): which tensor this pass's embeddings returned, when the
-    model's own call made them (a module enclosing them is in a call). A user who calls the
-    embeddings themselves and passes the result as `inputs_embeds` keeps its gradient."""
-    if isinstance(output, torch.Tensor) and controller.pass_depth > 0 and not torch.compiler.is_compiling():
-        controller.embeddings_output = weakref.ref(output)
-
-
-def _enter_pass(controller: _Controller, module: nn.Module, args) -> None:
-    if not torch.compiler.is_compiling():
-        controller.pass_depth += 1
-
-
-def _leave_pass(controller: _Controller, module: nn.Module, args, output) -> None:
-    # Run even when the forward raised (always_call), so that the count comes back to 0.
-    if not torch.compiler.is_compiling():
-        controller.pass_depth = max(controller.pass_depth - 1, 0)
-        if controller.pass_depth == 0:
-            controller.embeddings_output = None
-
-
-def _enclosing(model: nn.Module, module: nn.Module) -> list[nn.Module]:
-    """The modules of `model` whose calls enclose a call of `module` (its ancestors, `model`
-    included): the model's own pass runs the embeddings inside at least one of them (the
-    decoder's backbone is called as a module even where PEFT calls the causal LM's forward)."""
-    name = next((name for name, each in model.named_modules() if each is module), None)
-    if name is None:
-        return []
-    parts = name.split(".")
-    return [model.get_submodule(".".join(parts[:length])) for length in range(len(parts))]
+    require grad under checkpointing): the output is the model's own when the forward that called
+    the embeddings is that of a model whose input embeddings they are (the backbone's, a composite
+    model's, a replica's under nn.DataParallel). Read from the caller's frame, not from hooks around
+    the model's calls: nothing is left to go stale when a KeyboardInterrupt ends a forward (torch
+    runs always_call hooks for an Exception only), nor shared between the threads of replicas. A
+    user who calls the embeddings themselves and passes the result as `inputs_embeds` keeps its
+    gradient (one the model made, taken from its outputs and passed back, would not)."""
+    if not isinstance(output, torch.Tensor) or torch.compiler.is_compiling():
+        return
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename == _MODULE_CALL_FILE:
+        frame = frame.f_back
+    caller = frame.f_locals.get("self") if frame is not None else None
+    if not isinstance(caller, nn.Module) or not callable(getattr(caller, "get_input_embeddings", None)):
+        return
+    try:
+        models_own = caller.get_input_embeddings() is module
+    except Exception:  # a module of the user's with such a method that fails: not the model's forward
+        return
+    if models_own:
+        setattr(output, MODELS_EMBEDDINGS_ATTR, True)
 
 
 class _Detour(torch.autograd.Function):
@@ -370,17 +359,17 @@ DETOUR_EMBEDDINGS_OUTPUT = True
 
 @torch.compiler.disable(reason=_UNDER_COMPILE)
 def _detoured_input(controller: _Controller, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Layer 0's arguments, its hidden states detoured (`_Detour`) where they are the tensor the
-    embeddings returned inside this model call (`_record_embeddings_output`) and a leaf that
+    """Layer 0's arguments, its hidden states detoured (`_Detour`) where they are the output the
+    model's own forward got from its embeddings (`_mark_the_models_embeddings`) and a leaf that
     requires grad; else as given. An `inputs_embeds` the user made, with the embeddings or
-    otherwise, is never that tensor: it reaches layer 0 undetoured, so its gradient arrives in
-    its `.grad`, and as a leaf of the graph it stays on the device."""
+    otherwise, reaches layer 0 undetoured, so its gradient arrives in its `.grad`, and as a leaf
+    of the graph it stays on the device."""
     if not DETOUR_EMBEDDINGS_OUTPUT:
         return args, kwargs
-    recorded = controller.embeddings_output() if controller.embeddings_output is not None else None
     positional = bool(args)
     hidden = args[0] if positional else kwargs.get("hidden_states")
-    if recorded is None or hidden is not recorded or not (hidden.is_leaf and hidden.requires_grad):
+    models_own = isinstance(hidden, torch.Tensor) and getattr(hidden, MODELS_EMBEDDINGS_ATTR, False)
+    if not (models_own and hidden.is_leaf and hidden.requires_grad):
         return args, kwargs
     anchor = controller.anchor
     if anchor is None:
@@ -427,6 +416,14 @@ def _tokens(args: tuple, kwargs: dict) -> int | None:
     return None
 
 
+_EVAL_MODE_WITH_GRAD = (
+    "hf_offload: {model} ran a forward with grad in eval mode, where activation offloading does nothing "
+    "(transformers' checkpointing is off there too): its decoder layers kept their activations on the device. To "
+    "offload them, train in training mode (model.train()), with dropout turned off in the config if that is why the "
+    "model is in eval mode (attention_dropout=0.0, LoRA's lora_dropout=0.0)"
+)
+
+
 def _offloaded_forward(self: nn.Module, *args, **kwargs):
     # Bound to the layer by an InstanceForward, so that copy.deepcopy and pickling rebind it to the copy.
     slot: _LayerSlot = self._hf_offload_layer
@@ -444,6 +441,9 @@ def _offloaded_forward(self: nn.Module, *args, **kwargs):
         controller.paused = False
     # Evaluation, no_grad and generate(): the engine does nothing, so nothing of it runs.
     if not (self.training and torch.is_grad_enabled()):
+        if slot.position == 0 and torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
+            model = type(controller.model).__name__
+            controller.engine._warn_once("eval_mode", _EVAL_MODE_WITH_GRAD.format(model=model))
         return forward(*args, **kwargs)
     if slot.position == 0:
         if under_torch_compile():  # the first layer speaks for the pass
@@ -451,18 +451,6 @@ def _offloaded_forward(self: nn.Module, *args, **kwargs):
         args, kwargs = _detoured_input(controller, args, kwargs)
     with _EagerScope(controller, slot, self, args, kwargs):
         return forward(*args, **kwargs)
-
-
-def _replicate_with_offloading(self: nn.Module) -> nn.Module:
-    # nn.DataParallel copies each module's __dict__ into a replica, which would carry a forward
-    # still bound to this layer (and its weights on the first GPU). Rebind it to the replica.
-    replica = type(self)._replicate_for_data_parallel(self)
-    # Its own slot too: the slot remembers where this layer's parameters are (for its device and
-    # its parameters' storages), and the replica's are on another GPU.
-    setattr(replica, LAYER_STATE_ATTR, self.__dict__[LAYER_STATE_ATTR].for_replica(replica))
-    instance_forward.rebind(replica, _offloaded_forward, LAYER_STATE_ATTR)
-    replica._replicate_for_data_parallel = instance_forward.BoundMethod(_replicate_with_offloading, replica)
-    return replica
 
 
 def _install(controller: _Controller, layers: Sequence[nn.Module]) -> None:
@@ -477,7 +465,6 @@ def _install(controller: _Controller, layers: Sequence[nn.Module]) -> None:
             LAYER_STATE_ATTR,
             lambda previous, position=position, layer=layer: _LayerSlot(controller, position, previous, layer),
         )
-        layer._replicate_for_data_parallel = instance_forward.BoundMethod(_replicate_with_offloading, layer)
         attention = find_attention(layer)  # it looks through wrappers itself
         projection = next((c for c in attention.children() if is_linear_like(c)), None) if attention else None
         slot = layer.__dict__[LAYER_STATE_ATTR]
@@ -601,14 +588,7 @@ def enable_activation_offloading(model: nn.Module, *positional: object, **option
     _install(controller, layers)
     embeddings = target.get_input_embeddings() if hasattr(target, "get_input_embeddings") else None
     if isinstance(embeddings, nn.Module) and controller.embeddings_hook is None:
-        controller.embeddings_hook = embeddings.register_forward_hook(
-            functools.partial(_record_embeddings_output, controller)
-        )
-        for module in _enclosing(target, embeddings):
-            controller.pass_hooks.append(module.register_forward_pre_hook(functools.partial(_enter_pass, controller)))
-            controller.pass_hooks.append(
-                module.register_forward_hook(functools.partial(_leave_pass, controller), always_call=True)
-            )
+        controller.embeddings_hook = embeddings.register_forward_hook(_mark_the_models_embeddings)
     if not target.training:
         logger.info(
             "hf_offload: %s is in eval mode; offloading engages once it trains (model.train(), which "
@@ -631,9 +611,6 @@ def disable_activation_offloading(model: nn.Module) -> None:
     if controller.embeddings_hook is not None:
         controller.embeddings_hook.remove()
         controller.embeddings_hook = None
-    for handle in controller.pass_hooks:
-        handle.remove()
-    controller.pass_hooks.clear()
     delattr(target, MODEL_STATE_ATTR)
     controller.engine.close()  # the disk tier's file and threads, the host pool's free buffers
 

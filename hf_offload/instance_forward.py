@@ -16,6 +16,7 @@ through the new state instead of stacking a second wrapper.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import types
 from collections.abc import Callable
@@ -127,12 +128,40 @@ def install(module: nn.Module, wrapper: Callable, state_attr: str, make_state: C
         return
     setattr(module, state_attr, make_state(module.__dict__.get("forward")))
     module.forward = InstanceForward(wrapper, module, state_attr)
+    module._replicate_for_data_parallel = BoundMethod(_replicate, module)
 
 
 def rebind(module: nn.Module, wrapper: Callable, state_attr: str) -> None:
-    """Give `module` a wrapper of its own: a copy made by nn.DataParallel's replication carries
-    the original's in its `__dict__`."""
+    """Give `module` a wrapper of its own over the forward its state names."""
     module.forward = InstanceForward(wrapper, module, state_attr)
+
+
+def _replicate(self: nn.Module) -> nn.Module:
+    """torch's `_replicate_for_data_parallel`, on a module that carries one of our wrappers:
+    nn.DataParallel copies each module's `__dict__` into a replica on another GPU, where our wrapper,
+    its state and the forward it wraps would still be bound to this module (its weights on the first
+    GPU). The replica gets its own: the state's `for_replica(replica)` where it has one (offloading's
+    layer slot: caches of the replica's own), else a copy, the wrapped forward bound to the replica."""
+    replica = type(self)._replicate_for_data_parallel(self)
+    current = self.__dict__.get("forward")
+    if isinstance(current, InstanceForward) and current.module is self:
+        state = self.__dict__[current.state_attr]
+        own = state.for_replica(replica) if hasattr(state, "for_replica") else copy.copy(state)
+        if own is not state:
+            own.previous_forward = _bound_to(state.previous_forward, self, replica)
+        setattr(replica, current.state_attr, own)
+        rebind(replica, current.wrapper, current.state_attr)
+    replica._replicate_for_data_parallel = BoundMethod(_replicate, replica)
+    return replica
+
+
+def _bound_to(forward, original: nn.Module, replica: nn.Module):
+    """`forward` as the replica's, where it was bound to `original`."""
+    if isinstance(forward, InstanceForward) and forward.module is original:
+        return InstanceForward(forward.wrapper, replica, forward.state_attr)
+    if isinstance(forward, types.MethodType) and forward.__self__ is original:
+        return types.MethodType(forward.__func__, replica)
+    return forward
 
 
 def dropped(module: nn.Module) -> bool:
@@ -172,6 +201,7 @@ def remove(module: nn.Module, wrapper: Callable, state_attr: str) -> bool:
         return True
     if dropped(module):
         delattr(module, state_attr)
+        module.__dict__.pop("_replicate_for_data_parallel", None)
         return True
     if not wraps(module, wrapper):
         state.active = False
@@ -181,4 +211,5 @@ def remove(module: nn.Module, wrapper: Callable, state_attr: str) -> bool:
     else:
         module.forward = state.previous_forward
     delattr(module, state_attr)
+    module.__dict__.pop("_replicate_for_data_parallel", None)
     return True

@@ -8,6 +8,14 @@ at once. Either way a finder at the front of `sys.meta_path` stays for the proce
 `transformers.modeling_utils` executes (a first import through transformers' lazy module or
 directly, or `importlib.reload`), it adds them to the class that module has just defined.
 
+An import hook put ahead of ours later may serve that module itself and never ask ours
+(typeguard's and jaxtyping's take the spec from the path finder and load it their way). So the
+methods also go on when a model is built: torch's global hook on submodule registration, which
+every model's construction runs, adds them where PreTrainedModel lacks them. It is registered as
+soon as torch is loaded, at `import hf_offload` or at the first import after that which reaches
+our finder; only a hook ahead of ours that serves torch as well, from `import hf_offload` on,
+leaves both unasked (docs/api.md says what to do then).
+
 Each method is looked up in its home (`hf_offload.api`, `hf_offload.tiling`) on first use, not
 when it is added: the finder runs in the middle of transformers' own imports, where importing
 hf_offload's model code (which imports transformers' modules) could meet a half-imported one."""
@@ -75,11 +83,44 @@ def _add_methods_to(module) -> None:
     _add_methods(model_class)
 
 
+_added = False  # the methods are on a PreTrainedModel (the one a reload of its module replaces gets them again)
+
+
 def _add_methods(model_class: type) -> None:
+    global _added
     for name in METHODS:
         setattr(model_class, name, _ModelMethod(name))
     for name in PROPERTIES:
         setattr(model_class, name, _ModelProperty(name))
+    _added = True
+
+
+def _add_where_missing() -> None:
+    """The methods on transformers' PreTrainedModel, if it is defined and lacks them."""
+    model_class = getattr(sys.modules.get(MODULE), "PreTrainedModel", None)
+    if model_class is not None and METHODS[0] not in model_class.__dict__:
+        _add_methods(model_class)
+
+
+_watching_construction: list = []  # the handle of torch's registration hook, once registered
+
+
+def _on_module_registration(_module, _name, _submodule) -> None:
+    # Once added, nothing to do: transformers registers modules in every forward (a sliced
+    # ModuleList of layers), under torch.compile too, where a flag is all it traces.
+    if not _added:
+        _add_where_missing()
+
+
+def _watch_model_construction() -> None:
+    """Register `_on_module_registration` with torch, once torch's module code is loaded (never
+    importing it: `import hf_offload` stays cheap). Never removed (torch iterates its hooks while
+    calling them, so the hook cannot remove itself); a flag read per registration once added."""
+    if _watching_construction:
+        return
+    register = getattr(sys.modules.get("torch.nn.modules.module"), "register_module_module_registration_hook", None)
+    if register is not None:
+        _watching_construction.append(register(_on_module_registration))
 
 
 class _AddMethodsAfterExecution(Loader):
@@ -113,6 +154,8 @@ class ModelMethodsFinder(MetaPathFinder):
         self._asking = threading.local()
 
     def find_spec(self, fullname, path, target=None):
+        if not _watching_construction:  # torch may have been loaded since
+            _watch_model_construction()
         if fullname != MODULE or getattr(self._asking, "now", False):
             return None
         self._asking.now = True
@@ -133,11 +176,12 @@ class ModelMethodsFinder(MetaPathFinder):
 
 
 def install() -> None:
-    """Add the methods to `PreTrainedModel` now if transformers has defined it, and whenever
-    `transformers.modeling_utils` executes. Idempotent."""
+    """Add the methods to `PreTrainedModel` now if transformers has defined it, whenever
+    `transformers.modeling_utils` executes, and when a model is built without them. Idempotent."""
     module = sys.modules.get(MODULE)
     if module is not None and hasattr(module, "PreTrainedModel"):  # else: still executing, or without it
         _add_methods(module.PreTrainedModel)
+    _watch_model_construction()
     # By class name: after importlib.reload of this module the class is a new object.
     if not any(type(finder).__name__ == ModelMethodsFinder.__name__ for finder in sys.meta_path):
         sys.meta_path.insert(0, ModelMethodsFinder())

@@ -211,3 +211,17 @@ def cuda_peak_bytes(step, model: torch.nn.Module, ids: torch.Tensor) -> int:
 @pytest.fixture(params=sorted(TINY_CONFIGS))
 def model_type(request) -> str:
     return request.param
+
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """Each run ends naming the libraries installed at a version the upstream inventory was not
+    checked on (docs/upstream.md): a new release, whose breaks the tests above would show."""
+    from hf_offload.integrations.upstream import unchecked_versions
+
+    new = unchecked_versions()
+    if not new:
+        terminalreporter.write_line("upstream: every library at a version the inventory was checked on")
+        return
+    listed = ", ".join(f"{library} {version}" for library, version in sorted(new.items()))
+    terminalreporter.write_line(f"upstream: not yet checked against {listed} (docs/upstream.md: re-check them)")

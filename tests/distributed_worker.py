@@ -349,6 +349,7 @@ def scenario_zero3(tiling: bool = False) -> dict:
     # gave its attention class (transformers >= 5.25) when zero.Init exits, and every model built
     # after that fails at its first forward, with or without hf_offload (check_kernel_funcs says so).
     import transformers.models.llama.modeling_llama  # noqa: F401
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
     from deepspeed.utils import safe_get_full_grad
     from torch.multiprocessing.reductions import StorageWeakRef
     from transformers.utils import is_kernels_available
@@ -390,6 +391,17 @@ def scenario_zero3(tiling: bool = False) -> dict:
         gathered: list[StorageWeakRef] = []
         names = {module: name for name, module in model.named_modules()}
         calls: dict[str, int] = {}  # calls of each module holding parameters, in the last step
+        # ZeRO-3's gathers of each module holding parameters in the last step: [for forward, for backward]
+        # (a call of the module gathers "for forward", in backward too; its backward hooks "for backward").
+        fetches: dict[str, list[int]] = {}
+        fetch = PartitionedParameterCoordinator.fetch_sub_module
+
+        def counted_fetch(coordinator, module, forward: bool) -> None:
+            if module in counted:
+                fetches.setdefault(names[module], [0, 0])[0 if forward else 1] += 1
+            return fetch(coordinator, module, forward)
+
+        PartitionedParameterCoordinator.fetch_sub_module = counted_fetch
         in_layers = set(model.model.layers.modules())
 
         def record(module, args, output):
@@ -403,6 +415,7 @@ def scenario_zero3(tiling: bool = False) -> dict:
         def train_step(step: int) -> None:
             gathered.clear()
             calls.clear()
+            fetches.clear()
             ids = batch(seed=100 * step + dist.get_rank())
             loss = engine(input_ids=ids, labels=ids).loss
             alive.append(sum(not ref.expired() for ref in gathered))  # between forward and backward
@@ -413,11 +426,12 @@ def scenario_zero3(tiling: bool = False) -> dict:
 
         # ZeRO-3 gathers and frees each module's own parameters around that module's forward: record
         # them in a forward hook that runs before ZeRO-3's release hook.
-        handles = [
-            module.register_forward_hook(record, prepend=True)
+        counted = {
+            module
             for module in model.modules()
             if next(module.parameters(recurse=False), None) is not None and module is not model.model.embed_tokens
-        ]
+        }
+        handles = [module.register_forward_hook(record, prepend=True) for module in counted]
         losses, grads, alive = [], [], []
         watching = WATCH.watching(model) if offload else contextlib.nullcontext()
         with watching:
@@ -425,18 +439,19 @@ def scenario_zero3(tiling: bool = False) -> dict:
                 train_step(step)
         for handle in handles:
             handle.remove()
+        PartitionedParameterCoordinator.fetch_sub_module = fetch
         weights = {}
         for name, param in model.named_parameters():
             with deepspeed.zero.GatheredParameters([param]):
                 weights[name] = param.detach().clone()
-        return (losses, grads, weights), model, alive, len(gathered), calls
+        return (losses, grads, weights), model, alive, len(gathered), (calls, fetches)
 
     if tiling:
         # Tiled (3 slices, every part and the loss head) against untiled, and tiled + offloaded
         # against tiled alone; the loss head's slices gather lm_head's weight, the MLP's slices
         # their projections' (ZeRO-3 hooks), and ZeRO-3 reduces each gradient once.
-        untiled_run, *_, untiled_calls = run(offload=False)
-        tiled_run, tiled, tiled_alive, count, tiled_calls = run(offload=False, tiled=True)
+        untiled_run, *_, (untiled_calls, untiled_fetches) = run(offload=False)
+        tiled_run, tiled, tiled_alive, count, (tiled_calls, tiled_fetches) = run(offload=False, tiled=True)
         offloaded_run, offloaded, alive, *_ = run(offload=True, tiled=True)
         result = compare(tiled_run, offloaded_run, offloaded)
         close = [
@@ -451,6 +466,8 @@ def scenario_zero3(tiling: bool = False) -> dict:
             gathered_per_step=count,
             calls_per_step=tiled_calls,
             untiled_calls_per_step=untiled_calls,
+            fetches_per_step=tiled_fetches,
+            untiled_fetches_per_step=untiled_fetches,
             gathered_alive_plain=tiled_alive,
             gathered_alive_offloaded=alive,
             kernelize_took_off=taken_off,

@@ -205,6 +205,24 @@ def test_not_a_module_is_a_clear_error():
         hf_offload.enable_activation_offloading("meta-llama/Llama-3-8B")
 
 
+def test_a_step_with_grad_in_eval_mode_says_once_that_nothing_is_offloaded(caplog):
+    """Offloading works in training mode only, as transformers' checkpointing: a step with grad in
+    eval mode offloads nothing, and says so once (before, silently); an evaluation under no_grad
+    says nothing."""
+    model = tiny_model()
+    enable_sim(model)
+    model.eval()
+    with caplog.at_level("WARNING", logger="hf_offload"):
+        for _ in range(2):
+            train_step(model, batch())
+        with torch.no_grad():
+            model(input_ids=batch())
+    messages = [r.getMessage() for r in caplog.records if r.name == "hf_offload"]
+    assert len(messages) == 1 and "LlamaForCausalLM ran a forward with grad in eval mode" in messages[0]
+    assert "model.train()" in messages[0]
+    assert model.activation_offloading_stats().total_layer_scopes == 0
+
+
 def test_cpu_model_without_simulation_logs_once_and_does_no_work(caplog):
     plain = tiny_model()
     model = twin(plain)

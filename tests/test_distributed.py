@@ -220,28 +220,35 @@ def test_sequence_tiling_under_deepspeed_zero3(zero3):
         assert result["gathered_alive_plain"] == result["gathered_alive_offloaded"] == [0, 0]
 
 
-def test_zero3_hooks_of_a_tiled_module_run_once_per_pass(zero3):
-    """Under ZeRO-3 a tiled per-token module's slices run inside one call of it in forward and one
-    in backward, so its hooks (ZeRO-3's gather and release) run twice per step, not once per slice
-    in backward (before: 1 + 3 with 3 slices; 126 gathers per step in the layers, now 90). The
-    MLP's projections are called by its forward, once per slice each way; lm_head's calls are the
-    model's, the loss's forward and its backward. The final norm carries ZeRO-3's hooks, so it is
-    not chained into the loss head: it runs as a tiled module of its own."""
+def test_zero3_gathers_a_tiled_modules_weights_once_each_way_as_untiled(zero3):
+    """Under ZeRO-3 a tiled per-token module's slices run inside one call of it in forward; its
+    backward is no call of it, so its hooks run once per step and ZeRO-3 gathers its weights for
+    backward through the hooks it put on the module's output, as for an untiled module: one gather
+    each way (a backward calling it once per slice gathered 1 + 3 times with 3 slices, 126 gathers
+    per step in the layers; one driven call of it gathered twice in backward). The MLP's
+    projections are called by its forward, once per slice each way; lm_head's calls are the
+    model's, the loss's forward and its backward (its output, deferred logits, is in no graph). The
+    final norm carries ZeRO-3's hooks, so it is not chained into the loss head: it runs as a tiled
+    module of its own."""
     slices = 3
     for result in zero3["zero3_tiling"]:
         # With transformers' hub kernels on (transformers >= 5.25), kernelize took the wrapper off the
-        # tiled norms, which still run twice per step: tiling put it back.
+        # tiled norms, which still run tiled under ZeRO-3: tiling put it back.
         assert all(result["kernelize_took_off"]) or not is_kernels_available()
-        calls = result["calls_per_step"]
-        assert set(calls) == set(result["untiled_calls_per_step"])
+        calls, fetches = result["calls_per_step"], result["fetches_per_step"]
+        assert set(calls) == set(result["untiled_calls_per_step"]) == set(fetches)
         assert set(result["untiled_calls_per_step"].values()) == {1}
+        assert {tuple(each) for each in result["untiled_fetches_per_step"].values()} == {(1, 1)}
         for name, count in calls.items():
             if ".mlp." in name:
                 assert count == 2 * slices, (name, count)
+                assert fetches[name] == [2 * slices, slices], (name, fetches[name])
             elif name == "lm_head":
                 assert count == 3
-            else:  # the layers' norms and attention projections, and the final norm
-                assert count == 2, (name, count)
+                assert fetches[name] == [3, 0], fetches[name]
+            else:  # the tiled norms and attention projections of the layers, and the final norm
+                assert count == 1, (name, count)
+                assert fetches[name] == [1, 1], (name, fetches[name])
 
 
 def test_deepspeed_zero3_gathered_weights_are_released(zero3):

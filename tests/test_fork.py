@@ -20,7 +20,8 @@ from test_pool import FakeCudart
 
 from hf_offload.engine import forks
 from hf_offload.engine.disk import DiskTierError
-from hf_offload.engine.pool import ALIGNMENT
+from hf_offload.engine.offloader import ActivationOffloader
+from hf_offload.engine.pool import ALIGNMENT, HostBudget
 from hf_offload.engine.streams import registered_host_empty
 
 HANG = "hang"
@@ -178,3 +179,54 @@ def test_the_fork_check_catches_a_child_that_unregisters(monkeypatch):
     monkeypatch.setattr(forks, "made_here", lambda owner: True)
     _cudart, _memory, in_the_child = registered_then_dropped_in_a_child()
     assert in_the_child == "register,unregister"
+
+
+# -- what the engine keeps in a fork: every field decided -------------------------------------------
+
+
+def undecided_fields(engine: ActivationOffloader) -> set[str]:
+    """The engine's attributes that are neither kept in a fork (`KEPT_IN_A_FORK`) nor made anew
+    there (`_make_process_state`)."""
+    made_anew = object.__new__(ActivationOffloader)
+    made_anew._make_process_state(HostBudget(), disk=None)
+    return set(vars(engine)) - ActivationOffloader.KEPT_IN_A_FORK - set(vars(made_anew))
+
+
+def trained_engine(tmp_path) -> ActivationOffloader:
+    """The engine of a model that trained a step with the disk tier: every field it sets in use."""
+    plain, model = disk_pair(tmp_path)
+    same_step(plain, model, 0)
+    return model._hf_offload.engine
+
+
+def test_every_field_of_the_engine_is_kept_in_a_fork_or_made_anew(tmp_path):
+    """engine/offloader.py's _after_fork reset about fifteen fields by hand, and a field added later
+    was inherited from the parent unless someone remembered it (issue 37). Now every field is kept by
+    a forked child (options, measurements, counters) or made anew there, and a child's fields of the
+    second kind are its own objects, not the parent's."""
+    engine = trained_engine(tmp_path)
+    assert undecided_fields(engine) == set()
+    assert set(vars(engine)) >= ActivationOffloader.KEPT_IN_A_FORK
+    before = dict(vars(engine))
+    engine._after_fork()
+    assert set(vars(engine)) == set(before)
+    renewed = {
+        name for name, value in before.items() if not isinstance(value, (bool, int, float, str, tuple, type(None)))
+    } - ActivationOffloader.KEPT_IN_A_FORK
+    assert renewed >= {"_lock", "ledger", "budget", "disk", "_devices", "_in_flight", "_step_groups"}
+    assert [name for name in sorted(renewed) if vars(engine)[name] is before[name]] == []
+    assert engine.max_host_bytes == before["budget"].limit and engine.disk.directory == before["disk"].directory
+    engine.close()
+
+
+def test_a_field_added_to_the_engine_and_not_decided_on_is_caught(tmp_path, monkeypatch):
+    """Companion: a field set in __init__ and listed nowhere is named."""
+    init = ActivationOffloader.__init__
+
+    def with_a_new_field(self, **options):
+        init(self, **options)
+        self._added_later = {}
+
+    monkeypatch.setattr(ActivationOffloader, "__init__", with_a_new_field)
+    engine = trained_engine(tmp_path)
+    assert undecided_fields(engine) == {"_added_later"}

@@ -50,6 +50,65 @@ def test_methods_are_added_when_transformers_is_imported_after_hf_offload():
     assert report["reloaded"] == [True, True]
 
 
+# hf_offload first, then an import hook ahead of ours that serves transformers' modules itself, as
+# typeguard's install_import_hook("transformers") does: the spec from the path finder, its own loader.
+HOOK_AHEAD = """
+import importlib.abc, importlib.machinery, importlib, json, sys
+import hf_offload
+
+
+class Instrumenting(importlib.machinery.SourceFileLoader):
+    pass
+
+
+class ServesTransformers(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] != "transformers":
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path, target)
+        if spec is None or not isinstance(spec.loader, importlib.machinery.SourceFileLoader):
+            return None
+        spec.loader = Instrumenting(spec.loader.name, spec.loader.path)
+        return spec
+
+
+sys.meta_path.insert(0, ServesTransformers())
+from transformers import LlamaConfig, LlamaForCausalLM
+config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=97)
+model = LlamaForCausalLM(config)
+model.enable_activation_offloading(simulate_on_cpu=True)
+loader = type(importlib.import_module("transformers.modeling_utils").__loader__).__name__
+print(json.dumps({"loader": loader, "offloading": model.is_activation_offloading}))
+"""
+
+
+def test_methods_are_there_when_an_import_hook_ahead_of_ours_serves_transformers():
+    """Our finder is never asked for transformers.modeling_utils: the methods go on when the model is
+    built (torch's hook on submodule registration, registered when torch loaded). Before, the model
+    had no enable_activation_offloading (AttributeError)."""
+    done = subprocess.run([sys.executable, "-c", HOOK_AHEAD], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"loader": "Instrumenting", "offloading": True}
+
+
+def test_a_model_built_where_pretrainedmodel_lacks_the_methods_gets_them(monkeypatch):
+    """The fallback on its own, in this process (torch was loaded before hf_offload here, so its hook
+    was registered at import: what covers an import hook ahead of ours that serves every module):
+    with the methods gone from PreTrainedModel and our finder out of sys.meta_path, building a model
+    puts them back."""
+    names = [*model_methods.METHODS, *model_methods.PROPERTIES]
+    for name in names:
+        monkeypatch.delattr(transformers.modeling_utils.PreTrainedModel, name)
+    monkeypatch.setattr(model_methods, "_added", False)
+    finders = [finder for finder in sys.meta_path if not isinstance(finder, model_methods.ModelMethodsFinder)]
+    monkeypatch.setattr(sys, "meta_path", finders)
+    model = tiny_model()
+    assert all(name in transformers.modeling_utils.PreTrainedModel.__dict__ for name in names)
+    model.enable_activation_offloading(simulate_on_cpu=True)
+    assert model.is_activation_offloading
+
+
 def test_methods_are_added_when_transformers_was_imported_first(monkeypatch):
     """hf_offload's own code run again with transformers imported and the methods gone: they are
     added at once (the finder, removed too, cannot be what adds them)."""

@@ -657,17 +657,43 @@ def test_a_final_norm_with_hooks_is_not_chained_and_its_hooks_count():
     tiled.model.norm.register_forward_hook(lambda module, args, output: captured.append(output))
     expected, actual = step(plain), step(tiled)
     assert_close(expected, actual, **FLOAT64)
-    # Once around the forward's slices (the real output) and once around the backward's (a stand-in
-    # of its shape, holding nothing), never with the deferred logits.
-    assert [(type(t), tuple(t.shape)) for t in captured] == [(torch.Tensor, (2, SEQ, tiled.config.hidden_size))] * 2
+    # Once, around the forward's slices, with the real output; never with the deferred logits.
+    assert [(type(t), tuple(t.shape)) for t in captured] == [(torch.Tensor, (2, SEQ, tiled.config.hidden_size))]
     assert captured[0].untyped_storage().nbytes() == captured[0].nbytes
 
 
-def test_a_tiled_modules_hooks_run_once_in_forward_and_once_in_backward():
-    """A tiled module's slices run inside one call of it each way (ZeRO-3 gathers its weight once,
-    not once per slice): its hooks run twice per step whatever the number of slices (before, its
-    backward called it once per slice: 1 + 4 here); the MLP's projections, which its forward
-    calls, once per slice each way."""
+def test_a_global_hook_sees_the_chained_final_norm_once_with_its_real_output():
+    """torch's global forward hooks (which do not unchain the final norm: the memory simulator's
+    attribution is one) see the final norm once per step, in the model's own call, with its real
+    output, and the loss stays tiled. (The loss head's own calls called the chained norm too,
+    handing such a hook lm_head's deferred logits as the norm's output: reading them raised an error
+    naming lm_head's hooks.)"""
+    plain = build("llama")
+    tiled = twin(plain)
+    hf_offload.enable_sequence_tiling(tiled, tile_tokens=TILE)
+    norms, seen = {plain.model.norm: "plain", tiled.model.norm: "tiled"}, []
+
+    def hook(module, args, output):
+        if module in norms:
+            seen.append((norms[module], tuple(output.shape), output.mean().item()))
+
+    handle = torch.nn.modules.module.register_module_forward_hook(hook)
+    try:
+        expected, actual = step(plain), step(tiled)
+    finally:
+        handle.remove()
+    assert_close(expected, actual, **FLOAT64)
+    assert actual[2].logits is None  # the loss was tiled
+    (_, shape, plain_mean), (_, tiled_shape, tiled_mean) = seen
+    assert [name for name, *_ in seen] == ["plain", "tiled"] and tiled_shape == shape == (2, SEQ, 32)
+    assert tiled_mean == pytest.approx(plain_mean, rel=1e-9, abs=1e-15)
+
+
+def test_a_tiled_modules_hooks_run_once_per_step_as_untiled():
+    """A tiled module's slices run inside one call of it in forward, and its backward is no call of
+    it: its hooks run once per step whatever the number of slices, as untiled (a backward calling
+    it once per slice ran them 1 + 4 times here, one driven call around the slices twice); the
+    MLP's projections, which its forward calls, once per slice each way."""
     model = build("llama")
     hf_offload.enable_sequence_tiling(model, tile_tokens=TILE, loss=False)
     layer = model.model.layers[0]
@@ -675,14 +701,60 @@ def test_a_tiled_modules_hooks_run_once_in_forward_and_once_in_backward():
     for name, module in (("norm", layer.input_layernorm), ("mlp", layer.mlp), ("gate", layer.mlp.gate_proj)):
         module.register_forward_pre_hook(lambda module, args, name=name: counts.update({name: counts.get(name, 0) + 1}))
     step(model)
-    assert counts == {"norm": 2, "mlp": 2, "gate": 2 * SEQ // TILE}
+    assert counts == {"norm": 1, "mlp": 1, "gate": 2 * SEQ // TILE}
+
+
+# The final norm (tiled on its own once it has a hook: not chained into the loss head) and an MLP,
+# with a bound their output passes (float64 tiny Llama: |norm| up to 3.2, |mlp| up to 4e-3).
+HOOKED = {"final_norm": (lambda model: model.model.norm, 1.0), "mlp": (lambda model: model.model.layers[0].mlp, 1e-3)}
+
+
+@pytest.mark.parametrize("where", sorted(HOOKED))
+def test_a_hook_that_clamps_a_tiled_modules_output_in_place_trains_as_untiled(where):
+    """`output.clamp_(-bound, bound)` in a forward hook changes the step (checked), tiled as
+    untiled. (A backward that called the module again with a one-element stand-in expanded to the
+    output's shape made the hook raise "more than one element of the written-to tensor refers to a
+    single memory location".)"""
+    module_of, bound = HOOKED[where]
+    plain = build("llama")
+    tiled = twin(plain)
+    hf_offload.enable_sequence_tiling(tiled, tile_tokens=TILE)
+    unhooked_loss = step(plain)[0]
+    for model in (plain, tiled):
+        module_of(model).register_forward_hook(lambda module, args, output: output.clamp_(-bound, bound))
+    expected, actual = step(plain), step(tiled)
+    assert not torch.isclose(expected[0], unhooked_loss, rtol=1e-6, atol=0)
+    assert_close(expected, actual, **FLOAT64)
+
+
+@pytest.mark.parametrize("where", sorted(HOOKED))
+def test_a_hook_that_logs_a_tiled_modules_output_reads_the_real_output_once_per_step(where):
+    """A logging hook records the output's mean and whether it is finite once per step, the values
+    untiled training records. (A backward that called the module again handed it one uninitialised
+    element as the whole output: a second record of 4.7e-310, or nan under deterministic
+    algorithms, and False for the finite check.)"""
+    module_of, _bound = HOOKED[where]
+    plain = build("llama")
+    tiled = twin(plain)
+    hf_offload.enable_sequence_tiling(tiled, tile_tokens=TILE)
+    logs = []
+    for model in (plain, tiled):
+        log = []
+        module_of(model).register_forward_hook(
+            lambda module, args, output, log=log: log.append((output.mean().item(), bool(output.isfinite().all())))
+        )
+        step(model)
+        logs.append(log)
+    (expected,), (actual,) = logs  # one record each
+    assert actual[1] is expected[1] is True
+    assert actual[0] == pytest.approx(expected[0], rel=1e-9, abs=1e-15)
 
 
 def test_a_wrapper_of_a_tiled_modules_forward_runs_around_its_slices_each_way():
-    """accelerate's device hooks wrap a module's forward (add_hook_to_module, after tiling): the
-    backward's one call of the tiled module goes through them, as the forward's does, so a hook
-    that loads the weights before the forward runs before the backward's slices too (twice per
-    step; each slice in backward was a call of its own before: 1 + 4)."""
+    """accelerate's device hooks wrap a module's forward (add_hook_to_module, after tiling) and have
+    no backward hooks: the backward's slices run inside them, as the forward's do, so a hook that
+    loads the weights before the forward runs before the backward's slices too (twice per step;
+    each slice in backward was a call of its own before: 1 + 4)."""
     from accelerate.hooks import ModelHook, add_hook_to_module
 
     class Counting(ModelHook):
@@ -821,3 +893,37 @@ def test_sliced_along_dim_1_such_a_norm_would_fail(monkeypatch):
     per_token.install(norm, 2)
     with pytest.raises(RuntimeError):
         norm(x)
+
+
+def replicated(module: torch.nn.Module, scale: float) -> torch.nn.Module:
+    """What nn.DataParallel's `replicate` makes of `module` for another GPU, on the CPU: each module's
+    `_replicate_for_data_parallel()`, the children wired to their replicas, and weights of the
+    replica's own (here `scale` times the original's)."""
+    copies = {m: m._replicate_for_data_parallel() for m in module.modules()}
+    for original, copy in copies.items():
+        copy._modules = {name: copies[child] for name, child in original._modules.items()}
+        for name, parameter in original._parameters.items():
+            copy._parameters[name] = None if parameter is None else (parameter.detach() * scale).requires_grad_()
+    return copies[module]
+
+
+def test_data_parallel_replicas_of_tiled_modules_run_their_own_weights():
+    """nn.DataParallel copies each module's __dict__ into a replica on another GPU (torch's
+    `_replicate_for_data_parallel`, as its `replicate` calls it): a tiled MLP's and norm's replica
+    runs a slice at a time with the replica's weights, not the original's, and a replica of a
+    replica too; the loss head's is bound to its replica. Disabling takes the override off."""
+    model = tiny_model()
+    hf_offload.enable_sequence_tiling(model, tile_tokens=TILE)
+    layer = model.model.layers[0]
+    hidden = torch.randn(2, SEQ, model.config.hidden_size, requires_grad=True)
+    for module in (layer.mlp, layer.input_layernorm):
+        replica = replicated(replicated(module, 1.0), 2.0)
+        assert replica.forward.__self__ is replica and per_token.is_tiled(replica)
+        reference = twin(module)
+        per_token.uninstall(reference)
+        for parameter in reference.parameters():
+            parameter.data.mul_(2)
+        torch.testing.assert_close(replica(hidden), reference(hidden))
+    assert model._replicate_for_data_parallel().forward.__self__ is not model
+    hf_offload.disable_sequence_tiling(model)
+    assert not [m for m in model.modules() if "_replicate_for_data_parallel" in m.__dict__]

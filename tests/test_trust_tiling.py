@@ -190,6 +190,130 @@ def test_the_models_own_embeddings_output_is_still_detoured_after_a_users_call()
     assert model.activation_offloading_stats().kept_tensors["leaf"] == 0
 
 
+def embeds_gradient(model, backbone: bool = False) -> torch.Tensor | None:
+    """The gradient a user's own embeddings output, passed as inputs_embeds, gets from a step (of
+    the causal LM's loss, or of a loss of the backbone's last hidden state)."""
+    embeds = model.get_input_embeddings()(ids()).requires_grad_()
+    if backbone:
+        model.model(inputs_embeds=embeds).last_hidden_state.square().mean().backward()
+    else:
+        model(inputs_embeds=embeds, labels=ids()).loss.backward()
+    return embeds.grad
+
+
+def interrupt(module, args):
+    raise KeyboardInterrupt  # Ctrl-C in the middle of a forward
+
+
+@pytest.mark.parametrize("later", ["as_deep", "deeper", "backbone"])
+def test_inputs_embeds_keep_their_gradient_after_a_forward_a_keyboard_interrupt_ended(later):
+    """torch runs always_call forward hooks for an Exception, not for a KeyboardInterrupt: the
+    interrupted forward never said that the model's calls had ended, and the user's own embeddings
+    made after it were taken for the model's (issue 37 item 3). Whose output the embeddings made is
+    now read from their caller: passed as inputs_embeds, the user's keep their gradient,
+    bit-identical to training without offloading (before: `.grad` None), whether the later calls
+    are made as deep in the stack as the interrupted one, deeper, or through the backbone alone."""
+    plain = tiny_model("llama", **TWO_LAYERS)
+    plain.get_input_embeddings().weight.requires_grad_(False)
+    offloaded = twin(plain)
+    enable_sim(offloaded)
+    gradients = []
+    for model in (plain, offloaded):
+        handle = model.model.layers[1].register_forward_pre_hook(interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            model(input_ids=ids(), labels=ids())
+        handle.remove()
+        if later == "deeper":
+            gradients.append((lambda model=model: embeds_gradient(model))())
+        else:
+            gradients.append(embeds_gradient(model, backbone=later == "backbone"))
+    assert gradients[1] is not None and torch.equal(gradients[0], gradients[1])
+
+
+def test_a_users_embeddings_keep_their_gradient_while_another_thread_is_in_a_pass():
+    """A pass of the model's own (thread "model's") paused before its first layer while this thread
+    trains on embeddings of its own, as nn.DataParallel runs replicas in threads through the same
+    hooks: this thread's embeddings keep their gradient (bit-identical to training without
+    offloading), and the paused pass's own embeddings output is still detoured: the first layer's
+    norm gets a leaf from the user's embeddings, not from the model's (before, one count of open
+    calls for every thread took the user's embeddings for the model's: `.grad` None)."""
+    import threading
+
+    plain = tiny_model("llama", **TWO_LAYERS)
+    plain.get_input_embeddings().weight.requires_grad_(False)
+    expected = embeds_gradient(twin(plain))
+    model = twin(plain)
+    model.enable_input_require_grads()  # as PEFT does: the embeddings' output a leaf requiring grad
+    enable_sim(model)
+    in_pass, may_go, leaves = threading.Event(), threading.Event(), {}
+
+    def pause(module, args):
+        if threading.current_thread().name == "model's":
+            in_pass.set()
+            assert may_go.wait(60)
+
+    def note_leaf(module, args):
+        leaves.setdefault(threading.current_thread().name, args[0].is_leaf)
+
+    model.model.layers[0].register_forward_pre_hook(pause)
+    model.model.layers[0].input_layernorm.register_forward_pre_hook(note_leaf)
+    thread = threading.Thread(target=lambda: model(input_ids=ids()), name="model's")
+    thread.start()
+    try:
+        assert in_pass.wait(60)
+        actual = embeds_gradient(model)
+    finally:
+        may_go.set()
+        thread.join(60)
+    assert actual is not None and torch.equal(expected, actual)
+    assert leaves == {"model's": False, threading.current_thread().name: True}
+
+
+# -- issue 37 item 4: a step with grad in eval mode runs whole, and says so ------------------------
+
+ONLY = dict(mlp=False, norms=False, projections=False, attention=False, loss=False)
+PARTS = {
+    "all": {},
+    "layers": dict(loss=False),
+    "attention": {**ONLY, "attention": True},
+    "loss": {**ONLY, "loss": True},
+}
+
+
+@pytest.mark.parametrize("parts", sorted(PARTS))
+def test_a_step_with_grad_in_eval_mode_runs_whole_and_says_so_once(parts, caplog, monkeypatch):
+    """A training step with grad in eval mode (to turn dropout off, say) is not tiled: in eval mode
+    neither splitting rule splits (a 4-bit layer reads an eval-mode call without grad, which is what
+    tiling's forward slices are, as inference). Before, nothing said so (tiny Qwen3, 64 tokens,
+    slices of 16: 56 per-token slices in training mode, 0 in eval mode); now one warning per model,
+    naming what met it and why, whichever parts are tiled. No second one in a second step, none for
+    an evaluation under no_grad or a step in training mode."""
+    from hf_offload.tiling import per_token
+
+    model = tiny_model("qwen3", attn_implementation="sdpa", **TWO_LAYERS)
+    model.enable_sequence_tiling(tile_tokens=TILE, **PARTS[parts])
+    slices, run_slice = [], per_token._slice
+    monkeypatch.setattr(per_token, "_slice", lambda *args: slices.append(1) or run_slice(*args))
+
+    def said() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.name == "hf_offload" and "eval mode" in r.getMessage()]
+
+    model.eval()
+    with caplog.at_level(logging.WARNING, logger="hf_offload"):
+        for _ in range(2):
+            model(input_ids=ids(), labels=ids()).loss.backward()
+        assert slices == []
+        (notice,) = said()
+        assert "ran a forward with grad in eval mode, where sequence tiling runs it whole" in notice
+        assert notice.split()[1].startswith("Qwen3") and "model.train()" in notice
+        with torch.no_grad():
+            model(input_ids=ids(), labels=ids())
+        model.train()
+        model(input_ids=ids(), labels=ids()).loss.backward()
+    assert said() == [notice]
+    assert (len(slices) > 0) == (parts in ("all", "layers"))
+
+
 # -- item 8: deep copies, per-head biases, router jitter, hooks on lm_head -------------------------
 
 

@@ -353,3 +353,12 @@ def test_the_estimate_command_reports_a_changed_library_as_such(monkeypatch, cap
     error = capsys.readouterr().err
     assert "trl.kernels.chunked_logprob._forward_kernel" in error and "model failed" not in error
     assert sys.modules["trl.kernels.chunked_logprob"] is chunked_logprob
+
+
+def test_a_release_the_inventory_was_not_checked_on_is_named(monkeypatch):
+    """Each test run ends naming what is installed at a version no entry was checked on (conftest's
+    terminal summary): here a transformers release after the newest checked."""
+    assert "transformers" not in upstream.unchecked_versions()
+    real = upstream.installed_version
+    monkeypatch.setattr(upstream, "installed_version", lambda lib: "99.0.0" if lib == "transformers" else real(lib))
+    assert upstream.unchecked_versions()["transformers"] == "99.0.0"

@@ -434,31 +434,26 @@ def place_layers(layer_bytes, offloaded_layers: int, *, host_bytes: int, disk_by
 
 
 class ActivationOffloader:
+    # What a forked child keeps of its parent's engine: the options, what was measured and planned,
+    # the counters, what was said. Everything else is the process's own and is made anew in a child
+    # (`_make_process_state`); tests/test_fork.py holds every attribute to one of the two, so that a
+    # field added later is decided on, not inherited from the parent by default.
+    KEPT_IN_A_FORK = frozenset(
+        {
+            "min_offload_bytes", "simulate_on_cpu", "prefetch_layers", "max_device_bytes", "disk_dir",
+            "max_disk_bytes", "step", "lifetime", "mode", "_warned", "_sequence", "_position", "_pass_tokens",
+            "_pass_layers", "_pass_host_bytes", "_bytes_per_token", "_offloadable_layers", "_measured_tokens",
+            "_offload_positions", "_disk_positions", "_staging_reserve", "_host_bytes_per_token", "_extra_readahead",
+        }
+    )  # fmt: skip
+
     def __init__(self, **options) -> None:
-        self.ledger = HostLedger()
-        self.budget = HostBudget()  # max_host_bytes and what the pools hold of it
-        self.disk: DiskStore | None = None
-        self._owner = forks.this_process()
+        self._make_process_state(HostBudget(), disk=None)
         self.configure(**options)
         self.step = StepCounters()
         self.lifetime = LifetimeCounters()
         self.mode = "idle"
-        self._devices: dict[torch.device, DeviceContext] = {}
-        # Several threads may run layers at once (nn.DataParallel replicas, autograd's device
-        # threads): the state shared between layer calls changes under this lock.
-        self._lock = threading.RLock()
-        self._offloaded_this_pass: dict[int, weakref.ref[HostCopy]] = {}
-        # Storages kept layers counted as resident in this pass: (storage, version) by address.
-        self._kept_this_pass: dict[int, tuple[weakref.ref[torch.UntypedStorage], int]] = {}
-        self._pass_protected: set[int] | None = None
-        self._pass_protected_source: Callable[[], Iterable[torch.Tensor]] | None = None
-        self._in_flight: deque[tuple[DeviceContext, _InFlight]] = deque()
-        self._holding_ahead: list[weakref.ref[LayerGroup]] = []
-        self._last_group: weakref.ref[LayerGroup] | None = None
         self._sequence = 0
-        self._backward_id = -1
-        self._backward_group: weakref.ref[LayerGroup] | None = None
-        self._backward_since_step_start = False
         self._warned: set[str] = set()
         # The budget's plan: measured per layer position of the last complete pass.
         self._position = 0  # layer calls so far in this forward pass
@@ -469,12 +464,6 @@ class ActivationOffloader:
         self._offloadable_layers = 0
         self._measured_tokens: int | None = None
         self._offload_positions: int | None = None  # this pass offloads positions below it; None: all
-        # Kept layers' resident bytes, by group sequence, until backward has passed them.
-        self._kept_resident: dict[int, int] = {}
-        self._kept_resident_bytes = 0
-        # This step's layer calls: autograd's graph holds each group through its unpack hook, so
-        # a group alive means a graph of this step is alive (several forwards before a backward).
-        self._step_groups: weakref.WeakSet[LayerGroup] = weakref.WeakSet()
         # The disk tier's plan for this pass: its leading positions whose copies go to disk (None:
         # nothing measured yet, so layers go to disk only once the host budget is reached), and the
         # host memory kept free for staging buffers.
@@ -482,6 +471,36 @@ class ActivationOffloader:
         self._staging_reserve = 0
         self._host_bytes_per_token: list[float] | None = None
         self._extra_readahead = 0
+
+    def _make_process_state(self, budget: HostBudget, disk: DiskStore | None) -> None:
+        """What belongs to the process that makes it: the lock, the host accounting, the disk store,
+        the devices' streams and pools, the copies in flight and what this pass and step hold of the
+        graphs alive. A forked child makes its own (`_after_fork`)."""
+        self._owner = forks.this_process()
+        # Several threads may run layers at once (nn.DataParallel replicas, autograd's device
+        # threads): the state shared between layer calls changes under this lock.
+        self._lock = threading.RLock()
+        self.ledger = HostLedger()
+        self.budget = budget  # max_host_bytes and what the pools hold of it
+        self.disk: DiskStore | None = disk
+        self._devices: dict[torch.device, DeviceContext] = {}
+        self._in_flight: deque[tuple[DeviceContext, _InFlight]] = deque()
+        self._offloaded_this_pass: dict[int, weakref.ref[HostCopy]] = {}
+        # Storages kept layers counted as resident in this pass: (storage, version) by address.
+        self._kept_this_pass: dict[int, tuple[weakref.ref[torch.UntypedStorage], int]] = {}
+        self._pass_protected: set[int] | None = None
+        self._pass_protected_source: Callable[[], Iterable[torch.Tensor]] | None = None
+        self._holding_ahead: list[weakref.ref[LayerGroup]] = []
+        self._last_group: weakref.ref[LayerGroup] | None = None
+        self._backward_id = -1
+        self._backward_group: weakref.ref[LayerGroup] | None = None
+        self._backward_since_step_start = False
+        # Kept layers' resident bytes, by group sequence, until backward has passed them.
+        self._kept_resident: dict[int, int] = {}
+        self._kept_resident_bytes = 0
+        # This step's layer calls: autograd's graph holds each group through its unpack hook, so
+        # a group alive means a graph of this step is alive (several forwards before a backward).
+        self._step_groups: weakref.WeakSet[LayerGroup] = weakref.WeakSet()
         self._disk_at_step_start = (0, 0, 0.0, 0.0, 0.0)
         self._reads_waited_at_step_start = 0
 
@@ -526,25 +545,12 @@ class ActivationOffloader:
     def _after_fork(self) -> None:
         """This process is a fork of the one that made the engine's streams, pools and disk store,
         which stay the parent's (`forks`): the copies of the graphs inherited keep them, inert.
-        From here on the engine works with its own, made as it first needs them; the disk tier
-        gets a file and threads of its own in the same directory."""
-        self._owner = forks.this_process()
-        self._lock = threading.RLock()  # another thread may have held it at the fork
-        self.ledger = HostLedger()
-        self.budget = HostBudget(self.budget.limit)
-        self._devices = {}
-        self._in_flight.clear()  # the parent's copies out, on the parent's copy stream
-        # The graphs inherited are the parent's: the child's passes neither chain to their layers
-        # (backward would read ahead into them) nor count as their step.
-        self._holding_ahead = []
-        self._last_group = self._backward_group = None
-        self._step_groups = weakref.WeakSet()
-        self._kept_resident.clear()
-        self._kept_resident_bytes = 0
-        self._disk_at_step_start = (0, 0, 0.0, 0.0, 0.0)
-        self._reads_waited_at_step_start = 0
-        if self.disk is not None:
-            self.disk = self.disk.reopened()
+        From here on the engine works with state of its own (`_make_process_state`), its resources
+        made as it first needs them; the disk tier gets a file and threads of its own in the same
+        directory. The child's passes neither chain to the inherited graphs' layers (backward would
+        read ahead into them) nor count as their step."""
+        disk = self.disk.reopened() if self.disk is not None else None
+        self._make_process_state(HostBudget(self.budget.limit), disk)
 
     def options(self) -> dict[str, object]:
         return {

@@ -116,9 +116,9 @@ def enable_sequence_tiling(model: nn.Module, *positional: object, **options: obj
             "for causal language models; register_adapter(model_type, find_layers, find_mlp=...) names the "
             "layers and MLPs of a model it does not know)"
         )
+    said: set[str] = set()  # one notice per model, whichever tiled module meets it first
     for attention in attentions:
-        per_token.tile_projections(attention, tile)
-    said: set[str] = set()  # one notice per model, whichever layer meets it first
+        per_token.tile_projections(attention, tile, said)
     for attention in head_tiled:
         attention_tiling.install(attention, tile, said)
     # The final norm is per token too, and its float32 work at the end of the backbone is as large as
@@ -131,10 +131,10 @@ def enable_sequence_tiling(model: nn.Module, *positional: object, **options: obj
         if final_norm is not None:
             modules.setdefault(id(final_norm), final_norm)
     for module in modules.values():
-        per_token.install(module, tile)
+        per_token.install(module, tile, said)
     _keep_tiled(target, layers, list(modules.values()))
     if tiles_loss:
-        loss_tiling.install(target, parsed.tile_tokens, final_norm)
+        loss_tiling.install(target, parsed.tile_tokens, final_norm, said)
 
 
 def _announce_what_other_libraries_lack() -> None:

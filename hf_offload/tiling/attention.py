@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ..integrations.upstream import resolve
-from .replay import splits
+from .replay import eval_mode_with_grad, say_eval_mode_runs_whole, splits
 
 logger = logging.getLogger("hf_offload")
 
@@ -162,7 +162,11 @@ def _head_tiled(function, name: str):
         if tiling is None:
             return function(module, query, key, value, attention_mask, *args, **kwargs)
         tiling.calls += 1
-        if not splits(module) or args or query.dim() != 4 or query.shape[2] <= tiling.min_tokens:
+        if args or query.dim() != 4 or query.shape[2] <= tiling.min_tokens:
+            return function(module, query, key, value, attention_mask, *args, **kwargs)
+        if not splits(module):
+            if eval_mode_with_grad(module):
+                say_eval_mode_runs_whole(module, tiling.said)
             return function(module, query, key, value, attention_mask, *args, **kwargs)
         groups, reason = _groups(query, key, value, attention_mask, kwargs)
         if reason is not None:

@@ -1,7 +1,5 @@
-"""Backward of a tiled call: each slice recomputed by the module's forward, inside one call of the
-module so that its hooks run once around the slices as they do in forward (DeepSpeed ZeRO-3
-gathering parameters, FSDP unsharding, a user's hooks), differentiated, and its gradients put where
-they belong.
+"""Backward of a tiled call: each slice recomputed by the module's forward, differentiated, and its
+gradients put where they belong.
 
 Gradients of the tensors the computation uses besides its input arrive once per step, as without
 tiling. Two ways, by what the training setup listens to:
@@ -21,8 +19,7 @@ again, by name, when the backward runs.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -155,42 +152,3 @@ def backward_by_slices(
             if grad is not None:
                 sums[position] = grad if sums[position] is None else sums[position].add_(grad)
     return grad_x, sums
-
-
-def inside_one_call(
-    module: nn.Module,
-    work: Callable[[], object],
-    args: tuple,
-    kwargs: dict,
-    stand_in: object,
-    replacing: Callable[[nn.Module, Callable], contextlib.AbstractContextManager] | None = None,
-):
-    """`work()`, run inside one call of `module` on `args` and `kwargs`: its hooks run once around
-    the whole of it (ZeRO-3 gathers its parameters and releases them after, FSDP unshards, a user's
-    hook sees one call), and see `stand_in` as what the call returned (what they return is
-    dropped: `work` computes from the module's forward, which the hooks are not part of).
-    `replacing(module, driving)` puts `driving` in place of what the call runs, for the call's
-    time (default: the module's own forward). Not a closure over itself: a reference cycle would
-    keep what `work` returned alive until the garbage collector runs."""
-    done: list = []
-
-    def driving(*_args, **_kwargs):
-        done.append(work())
-        return stand_in
-
-    with (replacing or _forward_replaced)(module, driving):
-        module(*args, **kwargs)
-    return done.pop()
-
-
-@contextlib.contextmanager
-def _forward_replaced(module: nn.Module, driving: Callable) -> Iterator[None]:
-    previous = module.__dict__.get("forward")
-    module.forward = driving
-    try:
-        yield
-    finally:
-        if previous is None:
-            module.__dict__.pop("forward", None)
-        else:
-            module.forward = previous

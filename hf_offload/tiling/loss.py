@@ -21,7 +21,6 @@ linear cross-entropy.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import logging
@@ -35,8 +34,8 @@ from .. import auto_budget, instance_forward
 from ..compiling import under_torch_compile
 from ..integrations.trl import fused_head_notice, in_trl_fused_head
 from . import per_token
-from .gradients import Targets, backward_by_slices, inside_one_call, refuse_double_backward
-from .replay import Replay
+from .gradients import Targets, backward_by_slices, refuse_double_backward
+from .replay import Replay, eval_mode_with_grad, say_eval_mode_runs_whole, tiles_loss
 
 logger = logging.getLogger("hf_offload")
 
@@ -239,13 +238,13 @@ class _Source:
     they are now, with LoRA on lm_head PEFT's), and the tensors they need gradients for, found
     inside their calls.
 
-    The slices are computed by the stages' forwards, inside one call of each stage's module
-    (`inside_a_call`): their hooks run around them, once, as around any call (ZeRO-3 gathers the
-    weight, FSDP unshards it, a user's hook sees a call on the whole sequence), and the ops
-    recorded on lm_head's deferred output, those of its own output hooks included, are replayed
-    on every slice. The final norm is a stage only where it has no hooks (`LossSlot.deferring`):
-    what a hook does to its output is not recorded. Forwards that wrap a stage's (accelerate's
-    device hooks) are part of that forward, and run for every slice."""
+    The slices are computed by the stages' forwards, inside one call of lm_head (`inside_a_call`):
+    its hooks run around them, once, as around any call (ZeRO-3 gathers the weight, FSDP unshards
+    it, a user's hook sees a call on the whole sequence), and the ops recorded on lm_head's
+    deferred output, those of its own output hooks included, are replayed on every slice. The
+    final norm is a stage only where it has no hooks (`_DeferredStep`): what a hook does to its
+    output is not recorded. Forwards that wrap a stage's (accelerate's device hooks) are part of
+    that forward, and run for every slice."""
 
     hidden: torch.Tensor
     stages: tuple[_Stage, ...]
@@ -261,9 +260,12 @@ class _Source:
         return hidden
 
     def inside_a_call(self, work, hidden: torch.Tensor | None = None):
-        """`work()`, run inside one call of each stage's module, given the whole hidden states
-        (`hidden`, or the source's own)."""
-        return _drive(self, 0, work, self.hidden if hidden is None else hidden)
+        """`work()`, run inside one call of lm_head (the last stage) on the whole hidden states
+        (`hidden`, or the source's own). The final norm chained before it has no hooks of its own
+        (else it is not chained) and is not called here: torch's global hooks see it once, in the
+        model's own call, with its real output, not here with a stand-in shaped as the logits."""
+        hidden = self.hidden if hidden is None else hidden
+        return _call_running(self.stages[-1].module, work, hidden, DeferredLogits(self.like, self))
 
     def logits(self, ops: tuple) -> torch.Tensor:
         """The last stage's whole output, after `ops`."""
@@ -280,18 +282,28 @@ class _Source:
         )
 
 
-def _drive(source: _Source, index: int, work, hidden: torch.Tensor):
-    """Stage `index`'s module called on `hidden`, the next stage's drive standing in for its
-    forward; past the last stage, `work()`. The hooks see deferred logits that hold nothing."""
-    if index == len(source.stages):
-        return work()
-    return inside_one_call(
-        source.stages[index].module,
-        functools.partial(_drive, source, index + 1, work, hidden),
-        (hidden,),
-        {},
-        DeferredLogits(source.like, source),
-    )
+def _call_running(module: nn.Module, work, hidden: torch.Tensor, stand_in: DeferredLogits):
+    """What `work()` returns, run as the forward of one call of `module` on `hidden`: the module's
+    hooks run around it (ZeRO-3 gathers the weight, FSDP unshards it) and see `stand_in`, deferred
+    logits that hold nothing, as its output (what they return is dropped). A module-level function,
+    not a closure over itself: a reference cycle would keep what `work` returned alive until the
+    garbage collector runs."""
+    done: list = []
+
+    def forward(*_args, **_kwargs):
+        done.append(work())
+        return stand_in
+
+    previous = module.__dict__.get("forward")
+    module.forward = forward
+    try:
+        module(hidden)
+    finally:
+        if previous is None:
+            module.__dict__.pop("forward", None)
+        else:
+            module.forward = previous
+    return done.pop()
 
 
 def _end_of_head_call(module: nn.Module, args, output) -> None:
@@ -363,13 +375,15 @@ class _TiledLoss(torch.autograd.Function):
 class LossSlot:
     """What tiling keeps on the causal LM: the forward it wraps and the tile size."""
 
-    def __init__(self, tile_tokens: int | None, previous_forward, model_name: str, final_norm=None) -> None:
+    def __init__(self, tile_tokens: int | None, previous_forward, model_name: str, final_norm=None,
+                 said: set | None = None) -> None:  # fmt: skip
         self.tile_tokens = tile_tokens
         self.previous_forward = previous_forward
         self.model_name = model_name
         self.final_norm = final_norm  # run slice by slice with lm_head (None: not found, or not asked for)
         self.active = True  # False: disabled while another wrapper still holds ours (a pass-through)
         self._warned: set[str] = set()
+        self.said = set() if said is None else said  # the model's notices said, shared with its tiled modules
         self.backbone_hook = None  # the backbone's pre-hook that notices TRL's fused head
 
     def __getstate__(self) -> dict:
@@ -395,83 +409,102 @@ class LossSlot:
             self._warned.add(key)
             logger.log(level, message)
 
-    @contextlib.contextmanager
-    def deferring(self, model: nn.Module) -> contextlib.AbstractContextManager:
-        """For one forward: lm_head returns deferred logits, from the final norm's input where it
-        is given the final norm's output (the norm then runs slice by slice with it), and the loss
-        function computes the tiled loss. All are put back afterwards, whatever happens.
 
-        The final norm itself runs as written (some models call it elsewhere too, before or
-        between their layers; tiled, a slice at a time): its last output, if lm_head takes it, is
-        used no further, so its graph is freed with the forward's locals. A norm with hooks of
-        its own is not chained: its hooks see, and may change, its output on the whole sequence,
-        which the slices computed from its input would not replay (it runs tiled on its own)."""
-        head, norm, slot = model.get_output_embeddings(), self.final_norm, self
-        if norm is not None and _has_hooks(norm):
-            norm = None
-        missing = object()
-        previous_loss = model.__dict__.get("_loss_function", missing)
-        head_forward = _own_forward(head)
-        last_norm_call: list = []  # (input, output, the forward it ran, its targets) of the norm's last call
+_MISSING = object()
 
-        def norm_called(module, args, kwargs):
-            last_norm_call[:] = [args[0] if len(args) == 1 and not kwargs else None, None, _untiled_forward(module),
-                                 Targets.of(module)]  # fmt: skip
 
-        def norm_returned(module, args, kwargs, output):
-            if last_norm_call:
-                last_norm_call[1] = output
+@dataclass
+class _NormCall:
+    """The final norm's last call in a deferred step: what lm_head may have been given."""
 
-        @torch.compiler.disable(reason=_UNDER_COMPILE)
-        def deferred_head(hidden, *args, **kwargs):
-            if args or kwargs or not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
-                slot.warn_once(
-                    "head_input",
-                    f"hf_offload: {slot.model_name} calls its lm_head with other than (batch, tokens, hidden) hidden "
-                    "states alone; its loss runs untiled",
-                )
-                return head_forward(hidden, *args, **kwargs)
-            like = _like(head_forward, hidden)
-            targets = Targets.of(head)
-            if last_norm_call and _same_data(hidden, last_norm_call[1]) and last_norm_call[0] is not None:
-                norm_input, _output, norm_forward, norm_targets = last_norm_call
-                stages = (_Stage(norm, norm_forward), _Stage(head, head_forward))
-                return DeferredLogits(like, _Source(norm_input, stages, norm_targets.merged(targets), like, slot))
-            return DeferredLogits(like, _Source(hidden, (_Stage(head, head_forward),), targets, like, slot))
+    input: torch.Tensor | None  # None: called with more than the hidden states
+    output: object
+    forward: object  # the forward that call ran, less tiling's per-token wrapper
+    targets: Targets
 
-        @torch.compiler.disable(reason=_UNDER_COMPILE)
-        def tiled_loss(logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=-100,
-                       shift_labels=None, **kwargs):  # fmt: skip
-            from transformers.loss.loss_utils import ForCausalLMLoss
 
-            if isinstance(logits, DeferredLogits) and logits.whole:
-                logits.source.note_materialised(logits.whole)
-                logits = logits.materialise()
-            if not isinstance(logits, DeferredLogits):
-                return ForCausalLMLoss(logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels)
-            return _tiled_loss(slot, logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels)
+class _DeferredStep:
+    """One forward of the causal LM in a tiled-loss step, entered around it: lm_head's calls
+    return deferred logits (`_deferred_head`), computed from the final norm's input where lm_head
+    is given the final norm's output (the norm then runs slice by slice with it), and the model's
+    loss function computes the tiled loss (`_loss`). Leaving puts back lm_head's forward and the
+    loss function and removes the hooks it put on, whatever happened.
 
-        previous_head = head.__dict__.get("forward")
-        hooks = [head.register_forward_hook(_end_of_head_call, always_call=True)]  # the last one
+    The final norm itself runs as written (some models call it elsewhere too, before or between
+    their layers; tiled, a slice at a time): its last output, if lm_head takes it, is used no
+    further, so its graph is freed with the forward's locals. A norm with hooks of its own is not
+    chained: its hooks see, and may change, its output on the whole sequence, which the slices
+    computed from its input would not replay (it runs tiled on its own)."""
+
+    def __init__(self, slot: LossSlot, model: nn.Module) -> None:
+        self.slot, self.model = slot, model
+        self.head = model.get_output_embeddings()
+        self.head_forward = _own_forward(self.head)
+        norm = slot.final_norm
+        self.norm = norm if norm is not None and not _has_hooks(norm) else None  # chained where it is called
+        self.norm_call: _NormCall | None = None
+        self._previous: tuple = ()
+        self._handles: list = []
+
+    def __enter__(self) -> _DeferredStep:
+        head, model, norm = self.head, self.model, self.norm
+        self._previous = (head.__dict__.get("forward", _MISSING), model.__dict__.get("_loss_function", _MISSING))
+        self._handles = [head.register_forward_hook(_end_of_head_call, always_call=True)]  # its last hook
         if norm is not None:
-            hooks.append(norm.register_forward_pre_hook(norm_called, with_kwargs=True))
-            hooks.append(norm.register_forward_hook(norm_returned, with_kwargs=True))
-        try:
-            head.forward = deferred_head
-            model._loss_function = tiled_loss
-            yield
-        finally:
-            last_norm_call.clear()
-            for hook in hooks:
-                hook.remove()
-            if previous_head is None:
-                head.__dict__.pop("forward", None)
+            self._handles.append(norm.register_forward_pre_hook(self._norm_called, with_kwargs=True))
+            self._handles.append(norm.register_forward_hook(self._norm_returned, with_kwargs=True))
+        head.forward = self._deferred_head
+        model._loss_function = self._loss
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.norm_call = None
+        for handle in self._handles:
+            handle.remove()
+        for owner, name, previous in zip((self.head, self.model), ("forward", "_loss_function"), self._previous,
+                                         strict=True):  # fmt: skip
+            if previous is _MISSING:
+                owner.__dict__.pop(name, None)
             else:
-                head.forward = previous_head
-            if previous_loss is missing:
-                model.__dict__.pop("_loss_function", None)
-            else:
-                model._loss_function = previous_loss
+                setattr(owner, name, previous)
+
+    def _norm_called(self, module: nn.Module, args, kwargs) -> None:
+        hidden = args[0] if len(args) == 1 and not kwargs else None
+        self.norm_call = _NormCall(hidden, None, _untiled_forward(module), Targets.of(module))
+
+    def _norm_returned(self, module: nn.Module, args, kwargs, output) -> None:
+        if self.norm_call is not None:
+            self.norm_call.output = output
+
+    @torch.compiler.disable(reason=_UNDER_COMPILE)
+    def _deferred_head(self, hidden, *args, **kwargs):
+        slot, head, head_forward = self.slot, self.head, self.head_forward
+        if args or kwargs or not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
+            slot.warn_once(
+                "head_input",
+                f"hf_offload: {slot.model_name} calls its lm_head with other than (batch, tokens, hidden) hidden "
+                "states alone; its loss runs untiled",
+            )
+            return head_forward(hidden, *args, **kwargs)
+        like = _like(head_forward, hidden)
+        targets = Targets.of(head)
+        norm_call = self.norm_call
+        if norm_call is not None and norm_call.input is not None and _same_data(hidden, norm_call.output):
+            stages = (_Stage(self.norm, norm_call.forward), _Stage(head, head_forward))
+            return DeferredLogits(like, _Source(norm_call.input, stages, norm_call.targets.merged(targets), like, slot))
+        return DeferredLogits(like, _Source(hidden, (_Stage(head, head_forward),), targets, like, slot))
+
+    @torch.compiler.disable(reason=_UNDER_COMPILE)
+    def _loss(self, logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=-100, shift_labels=None,
+              **kwargs):  # fmt: skip
+        from transformers.loss.loss_utils import ForCausalLMLoss
+
+        if isinstance(logits, DeferredLogits) and logits.whole:
+            logits.source.note_materialised(logits.whole)
+            logits = logits.materialise()
+        if not isinstance(logits, DeferredLogits):
+            return ForCausalLMLoss(logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels)
+        return _tiled_loss(self.slot, logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels)
 
 
 def _same_data(tensor: torch.Tensor, other) -> bool:
@@ -584,15 +617,13 @@ def tiled_loss_forward(self: nn.Module, *args, **kwargs):
     slot: LossSlot = self.__dict__[LOSS_STATE_ATTR]
     forward = slot.forward_of(self)
     labels = kwargs.get("labels")
-    # Not `replay.splits` (training alone), the layers' rule: the loss head runs outside the layers'
-    # checkpoints, so no pass of it runs under no_grad and is then recomputed with grad; and a
-    # training-mode forward under no_grad (a reference model's log-probabilities, an evaluation
-    # without model.eval()) wants outputs.logits, which the tiled loss does not return.
-    if not slot.active or labels is None or not (self.training and torch.is_grad_enabled()):
+    if not slot.active or labels is None or kwargs.get("fused_lm_head"):  # TRL's fused head never calls lm_head
         return forward(*args, **kwargs)
-    if kwargs.get("fused_lm_head"):  # TRL's fused head, put on after tiling: it never calls lm_head
+    if not tiles_loss(self):
+        if eval_mode_with_grad(self) and _longer_than_a_slice(slot, self, labels):
+            say_eval_mode_runs_whole(self, slot.said)
         return forward(*args, **kwargs)
-    if torch.is_tensor(labels) and labels.shape[min(1, labels.dim() - 1)] <= slot.tile_for(self):
+    if not _longer_than_a_slice(slot, self, labels):
         return forward(*args, **kwargs)  # one slice: tiling would recompute the head and save nothing
     from transformers.loss.loss_utils import ForCausalLMLoss
 
@@ -612,15 +643,19 @@ def tiled_loss_forward(self: nn.Module, *args, **kwargs):
             "(enable_sequence_tiling(loss=False))",
         )
         forward = torch.compiler.disable(forward, reason=_UNDER_COMPILE)
-    with slot.deferring(self):
+    with _DeferredStep(slot, self):
         output = forward(*args, **kwargs)
     return _without_deferred(output)
+
+
+def _longer_than_a_slice(slot: LossSlot, model: nn.Module, labels) -> bool:
+    return not torch.is_tensor(labels) or labels.shape[min(1, labels.dim() - 1)] > slot.tile_for(model)
 
 
 def _notice_a_foreign_head(slot: LossSlot, backbone: nn.Module, args) -> None:
     """The backbone's forward pre-hook: TRL's trainers call the backbone from their fused LM head
     (`add_fused_lm_head`), past the model's forward and so past the tiled loss; say so, once."""
-    if "trl_fused_head" in slot._warned or not (slot.active and backbone.training and torch.is_grad_enabled()):
+    if "trl_fused_head" in slot._warned or not (slot.active and tiles_loss(backbone)):
         return
     if torch.compiler.is_compiling():  # a compiled backbone: reading the call stack would break its graph
         return
@@ -628,10 +663,14 @@ def _notice_a_foreign_head(slot: LossSlot, backbone: nn.Module, args) -> None:
         slot.warn_once("trl_fused_head", fused_head_notice(slot.model_name))
 
 
-def install(model: nn.Module, tile_tokens: int | None, final_norm: nn.Module | None = None) -> None:
+def install(model: nn.Module, tile_tokens: int | None, final_norm: nn.Module | None = None,
+            said: set | None = None) -> None:  # fmt: skip
     name = type(model).__name__
     instance_forward.install(
-        model, tiled_loss_forward, LOSS_STATE_ATTR, lambda previous: LossSlot(tile_tokens, previous, name, final_norm)
+        model,
+        tiled_loss_forward,
+        LOSS_STATE_ATTR,
+        lambda previous: LossSlot(tile_tokens, previous, name, final_norm, said),
     )
     backbone = getattr(model, "base_model", None)
     if isinstance(backbone, nn.Module) and backbone is not model:

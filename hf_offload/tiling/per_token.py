@@ -7,8 +7,10 @@ slice is recomputed with grad and differentiated with `torch.autograd.grad`, and
 gradients are summed over the slices and returned once. The intermediate activations of one
 slice exist at a time. (Returned once, not accumulated per slice into `.grad`: each parameter's
 AccumulateGrad runs once per step, as without tiling, so DDP's reducer and FSDP2's post-backward
-see one gradient, and hooks on gradients fire as they would.) Either way the slices run inside
-one call of the module, so its hooks run once in forward and once in backward.
+see one gradient, and hooks on gradients fire as they would.) In forward the slices run inside
+one call of the module, whose hooks see its real output; in backward the module is not called
+again (its hooks run once per step, as without tiling), and only the forwards that wrap tiling's
+run around the slices (`_inside_outer_forwards`).
 
 It wraps the module's own current forward on the instance, so whatever the module is runs
 unchanged: transformers' gated MLP, one with LoRA or DoRA adapters, Liger's SwiGLU forward, an
@@ -21,11 +23,9 @@ load-balancing loss are as without tiling.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import types
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -33,8 +33,8 @@ from torch import nn
 
 from .. import instance_forward
 from ..integrations.transformers_outputs import active_collector, collecting
-from .gradients import Targets, backward_by_slices, inside_one_call, refuse_double_backward
-from .replay import Replay, splits
+from .gradients import Targets, backward_by_slices, refuse_double_backward
+from .replay import Replay, eval_mode_with_grad, say_eval_mode_runs_whole, splits
 
 logger = logging.getLogger("hf_offload")
 
@@ -58,7 +58,8 @@ class _Slot:
     untileable: str | None = None  # why it runs untiled, once found
     signatures: dict = field(default_factory=dict)  # what it returns, by the kind of input
     active: bool = True  # False: disabled while another wrapper still holds ours (a pass-through)
-    driving: object = None  # during a backward's one call of the module: what the call runs instead
+    driving: object = None  # in backward, while the forwards wrapping ours run: what ours runs instead
+    said: set = field(default_factory=set)  # the model's notices said, shared by its tiled modules
 
     def forward_of(self, module: nn.Module):
         if self.previous_forward is not None:
@@ -140,16 +141,6 @@ class _Signature:
         piece = hidden[:, start:stop]
         return piece.clone() if self.changes_its_input else piece.contiguous()
 
-    def stand_in(self, batch: int, length: int, device: torch.device):
-        """The module's output as its hooks see it around the slices' backward: its structure,
-        shapes and dtypes, each tensor over one element of memory."""
-        main = len(self.structure.tensor_positions)
-        tensors = []
-        for layout, (rest, dtype) in list(zip(self.layouts, self.per_token, strict=True))[:main]:
-            shape = (batch, length, *rest) if layout == _SEQ else (batch * length, *rest)
-            tensors.append(torch.empty((1,) * len(shape), dtype=dtype, device=device).expand(shape))
-        return self.structure.rebuild(tensors)
-
     def allocate(self, batch: int, length: int, device: torch.device) -> list[torch.Tensor]:
         tensors = []
         for layout, (rest, dtype) in zip(self.layouts, self.per_token, strict=True):
@@ -207,38 +198,40 @@ class _TiledMLP(torch.autograd.Function):
                 if grad is not None
             ]
 
-        # The slices inside one call of the module, as in forward: its hooks run once per backward,
-        # not once per slice (ZeRO-3 gathers its weight once), and one that changes its output
-        # does not change the gradient (a slice's recompute is its forward alone).
-        grad_x, sums = _inside_one_call(
-            run,
+        # Not a call of the module: its hooks saw its real output once, in forward, as without tiling
+        # (ZeRO-3 and FSDP gather its weights for backward through the hooks they put on that output).
+        # A slice's recompute is the module's forward alone: what a hook did to the output is
+        # differentiated once, where it happened. The forwards wrapping tiling's (accelerate's device
+        # hooks, which load offloaded weights and have no backward hooks) run once around the slices.
+        grad_x, sums = _inside_outer_forwards(
+            run.module,
             lambda: backward_by_slices(
                 x, run.bounds, ctx.needs_input_grad[1], run.targets, run.replay.replaying, recompute
             ),
             (x, *rest),
             kwargs,
-            signature.stand_in(run.batch, x.shape[1], x.device),
         )
         return (None, grad_x, *sums)
 
 
-def _inside_one_call(run: _Run, work, args: tuple, kwargs: dict, stand_in):
-    """`work()` inside one call of the tiled module, through every wrapper of its forward as in
-    forward (accelerate's device hooks load its weights once around the slices): tiling's own
-    forward runs `work` in place of the module's."""
-    slot: _Slot | None = run.module.__dict__.get(STATE_ATTR)
-    if slot is None:  # tiling was disabled since the forward: its own forward stands in
-        return inside_one_call(run.module, work, args, kwargs, stand_in)
-    return inside_one_call(run.module, work, args, kwargs, stand_in, functools.partial(_driving_slot, slot))
-
-
-@contextlib.contextmanager
-def _driving_slot(slot: _Slot, module: nn.Module, driving) -> Iterator[None]:
-    slot.driving = driving
+def _inside_outer_forwards(module: nn.Module, work, args: tuple, kwargs: dict):
+    """`work()`, inside the forwards that wrap tiling's on `module` (put on after tiling was enabled),
+    run on the forward's arguments: tiling's forward, reached through them, runs `work` instead of
+    the module's (`_Slot.driving`) and gives them None as the output. Directly where nothing wraps
+    tiling's forward, where something dropped it since the forward (kernelize at a mode change), or
+    where tiling was disabled since."""
+    slot: _Slot | None = module.__dict__.get(STATE_ATTR)
+    if slot is None or instance_forward.wraps(module, tiled_forward) or instance_forward.dropped(module):
+        return work()
+    done: list = []
+    slot.driving = lambda: done.append(work())
     try:
-        yield
+        module.forward(*args, **kwargs)
     finally:
         slot.driving = None
+    if not done:  # the chain no longer reaches tiling's forward (replaced since): the slices on their own
+        done.append(work())
+    return done.pop()
 
 
 def _sliceable_along_dim_1(module: nn.Module, hidden: torch.Tensor) -> bool:
@@ -267,7 +260,7 @@ def tiled_forward(self: nn.Module, *args, **kwargs):
     recompute, that input is the last tensor the layer saves, so PyTorch stops the recompute
     there and the slices are computed once in forward and once in backward, as without tiling."""
     slot: _Slot = self.__dict__[STATE_ATTR]
-    if slot.driving is not None:  # the backward's one call of the module: its slices run here
+    if slot.driving is not None:  # reached in backward through the forwards wrapping ours: the slices' backward
         return slot.driving()
     own_forward = slot.forward_of(self)
     if not slot.active:
@@ -278,8 +271,11 @@ def tiled_forward(self: nn.Module, *args, **kwargs):
         or not isinstance(hidden, torch.Tensor)
         or not _sliceable_along_dim_1(self, hidden)
         or hidden.shape[1] <= slot.tile_tokens
-        or not splits(self)
     ):
+        return own_forward(*args, **kwargs)
+    if not splits(self):
+        if eval_mode_with_grad(self):
+            say_eval_mode_runs_whole(self, slot.said)
         return own_forward(*args, **kwargs)
     rest = args[1:]
     if any(isinstance(value, torch.Tensor) for value in (*rest, *kwargs.values())):
@@ -397,8 +393,14 @@ def _fill(run: _Run, hidden, outputs, collector, keys, *, start: int) -> None:
                 _write(whole, piece, layout, run.batch, first, stop)
 
 
-def install(module: nn.Module, tile_tokens: int) -> None:
-    instance_forward.install(module, tiled_forward, STATE_ATTR, lambda previous: _Slot(tile_tokens, previous))
+def install(module: nn.Module, tile_tokens: int, said: set | None = None) -> None:
+    """Tile `module`; `said`: the notices said for its model, shared by the model's tiled modules."""
+    notices = set() if said is None else said
+
+    def make_slot(previous) -> _Slot:
+        return _Slot(tile_tokens, previous, said=notices)
+
+    instance_forward.install(module, tiled_forward, STATE_ATTR, make_slot)
 
 
 def reinstate(module: nn.Module) -> bool:
@@ -426,21 +428,21 @@ class _Projections:
     handle: object = None
 
 
-def _tile_children(tile_tokens: int, attention: nn.Module, args) -> None:
+def _tile_children(tile_tokens: int, said: set, attention: nn.Module, args) -> None:
     """The attention's forward pre-hook: tile its linear projections as they are now. (A function
     of the module, not a closure, so that a model with tiling pickles.)"""
     from ..adapters import is_linear_like
 
     for child in attention._modules.values():
         if child is not None and not is_tiled(child) and is_linear_like(child):
-            install(child, tile_tokens)
+            install(child, tile_tokens, said)
 
 
-def tile_projections(attention: nn.Module, tile_tokens: int) -> None:
+def tile_projections(attention: nn.Module, tile_tokens: int, said: set) -> None:
     """Tile the attention module's linear projections, found at each of its calls: PEFT may
     replace them by LoRA layers after tiling was enabled, and the LoRA layer as a whole (its
     float32 casts included) is what should run per slice."""
     uninstall(attention)
     state = _Projections(tile_tokens)
-    state.handle = attention.register_forward_pre_hook(functools.partial(_tile_children, tile_tokens))
+    state.handle = attention.register_forward_pre_hook(functools.partial(_tile_children, tile_tokens, said))
     setattr(attention, PROJECTIONS_ATTR, state)

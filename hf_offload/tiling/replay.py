@@ -1,6 +1,10 @@
-"""What a tiled call's slices ran under in forward, so that backward recomputes each slice the way
-it first ran: the autocast state, and the random state at the start of each slice where the
-slices drew random numbers (dropout, LoRA dropout, router jitter).
+"""When tiling splits a call, and what a tiled call's slices ran under in forward, so that backward
+recomputes each slice the way it first ran: the autocast state, and the random state at the start
+of each slice where the slices drew random numbers (dropout, LoRA dropout, router jitter).
+
+Two rules decide whether a call is split, each with its reason: `splits` for the decoder layers'
+parts (training mode), `tiles_loss` for the loss head (training with grad). Neither splits in eval
+mode, and a forward with grad there is said once per model (`say_eval_mode_runs_whole`).
 
 A random state is kept only where something random ran: after each slice the generators are read
 again, and a slice that left them as they were shares its predecessor's record. A call whose
@@ -11,16 +15,18 @@ every tiled module would cost ~5 KB of host memory each: about 0.3 GB per step a
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 
 import torch
 from torch import nn
 
+logger = logging.getLogger("hf_offload")
+
 
 def splits(module: nn.Module) -> bool:
-    """Whether tiling runs a call of `module` (a per-token module, attention over heads) in
-    pieces: when the module is training, grad on or off (not in inference mode). The one rule
-    for both.
+    """Whether tiling runs a call of a decoder layer's part (a per-token module, attention over
+    heads) in pieces: when the module is training, grad on or off (not in inference mode).
 
     Not "training with grad enabled": a reentrant checkpoint runs the layer's first forward under
     no_grad and its recompute with grad, so such a rule ran the call whole in the forward that
@@ -33,6 +39,38 @@ def splits(module: nn.Module) -> bool:
     checkpoint's pass runs under: its tensors have no version counter for a tiled module to read
     (training-mode generation under `torch.inference_mode()`)."""
     return module.training and not torch.is_inference_mode_enabled()
+
+
+def tiles_loss(model: nn.Module) -> bool:
+    """Whether the loss head (our tiled one, or the notice that TRL's fused head is in use) acts on
+    a forward of `model`: in training with grad on. Not `splits`: the loss head runs outside the
+    layers' checkpoints, so no pass of it runs under no_grad to be recomputed with grad, and a
+    training-mode forward under no_grad (a reference model's log-probabilities, an evaluation
+    without model.eval()) wants `outputs.logits`, which the tiled loss does not return."""
+    return model.training and torch.is_grad_enabled()
+
+
+def eval_mode_with_grad(module: nn.Module) -> bool:
+    """A forward that may be backpropagated, run in eval mode (to turn dropout off, say), where
+    neither rule splits."""
+    return not module.training and torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+
+
+def say_eval_mode_runs_whole(module: nn.Module, said: set) -> None:
+    """Once per model (`said`, shared by its tiled modules): sequence tiling did not split a forward
+    with grad in eval mode, so that step holds what tiling saves in training."""
+    if "eval_mode" in said:
+        return
+    said.add("eval_mode")
+    logger.warning(
+        "hf_offload: %s ran a forward with grad in eval mode, where sequence tiling runs it whole (a 4-bit "
+        "layer in eval mode reads a call without grad as inference, and tiling's forward slices run without "
+        "grad; transformers' checkpointing and hf_offload's offloading are off in eval mode too): this step "
+        "holds what tiling saves in training. To tile it, train in training mode (model.train()), with dropout "
+        "turned off in the config if that is why the model is in eval mode (attention_dropout=0.0, LoRA's "
+        "lora_dropout=0.0)",
+        type(module).__name__,
+    )
 
 
 def _autocast_state(device_type: str) -> tuple[tuple[str, bool, torch.dtype], ...]:
