@@ -7,7 +7,7 @@ import contextlib
 from collections.abc import Iterator
 
 from . import api
-from .adapters import resolve_layers, unwrap_model
+from .adapters import find_final_norm, resolve_layers, unwrap_model
 from .auto_budget import device_memory, predicted_step_bytes, simulated_device
 from .engine.offloader import place_layers
 from .engine.planner import TierPlan
@@ -62,6 +62,7 @@ __all__ = [
     "device_memory",
     "device_streams",
     "empty_host_cache",
+    "find_final_norm",
     "fused_linear_cross_entropy_in_use",
     "longest_context_pieces",
     "place_last_pass",

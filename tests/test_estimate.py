@@ -242,3 +242,71 @@ def test_with_a_device_the_answer_comes_first_with_its_recipe(model_dir, capsys,
     assert best["max_seq_len"] == max(m["max_seq_len"] for m in result["modes"].values())
     assert result["modes"][best["mode"]]["recipe"] == lines
     assert result["modes"]["checkpointing"]["recipe"] == lines[:1]
+
+
+# -- positions kept in a table (GPT-2's learned `wpe`): the length a model can run at all ----------
+
+
+@pytest.fixture
+def gpt2_dir(tmp_path):
+    """A tiny GPT-2: learned absolute positions, a table of n_positions=512 rows."""
+    config = dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, n_positions=512, vocab_size=256)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    "model_type, options, expected",
+    [
+        ("gpt2", dict(n_positions=512), ("n_positions", 512)),
+        ("opt", dict(max_position_embeddings=512), ("max_position_embeddings", 512)),  # a table of 514 rows
+        ("llama", dict(max_position_embeddings=512), None),  # rotary: no table
+        ("bloom", {}, None),  # ALiBi: no table
+    ],
+)
+def test_a_table_of_positions_is_found_by_its_config_field(model_type, options, expected):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from hf_offload.tools.simulator import position_table
+
+    small = dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, vocab_size=256)
+    config = AutoConfig.for_model(model_type, **(small if model_type != "gpt2" else {}), **options)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    table = position_table(model, config)
+    assert (None if table is None else (table.field, table.rows)) == expected
+
+
+def test_a_length_past_the_table_is_refused_by_name(gpt2_dir, capsys):
+    with pytest.raises(SystemExit):
+        main(["estimate", "--model", str(gpt2_dir), "--seq-len", "1024"])
+    error = capsys.readouterr().err
+    assert "n_positions=512" in error and "1,024" in error and "at most 512" in error
+
+
+def test_the_default_length_and_the_search_stop_at_the_table(gpt2_dir, capsys):
+    """Without --seq-len the estimate runs at the table's length and says so; the longest sequence
+    is the table's, marked as such, with no step simulated past it (on meta the lookup past the
+    table would run, as it cannot on a GPU)."""
+    result = estimate_json(capsys, "--model", str(gpt2_dir), "--device-memory", "8", "--modes", "checkpointing")
+    figures = result["modes"]["checkpointing"]
+    assert figures["seq_len"] == 512 and result["setup"]["position_table"] == {
+        "field": "n_positions", "rows": 512, "module": "transformer.wpe"}  # fmt: skip
+    search = figures["max_seq"]
+    assert figures["max_seq_len"] == 512 and search["reached_limit"] and search["limit"] == 512
+    assert max(probe["seq_len"] for probe in search["probes"]) == 512
+    assert main(["estimate", "--model", str(gpt2_dir), "--device-memory", "8", "--modes", "checkpointing"]) == 0
+    text = capsys.readouterr().out
+    assert "512*" in text and "n_positions=512" in text and "default length cut" in text
+
+
+def test_the_simulator_refuses_a_step_past_the_table():
+    from transformers import AutoConfig
+
+    from hf_offload.tools.simulator import Simulator
+
+    simulator = Simulator(AutoConfig.for_model("gpt2", n_embd=64, n_layer=1, n_head=4, n_positions=256, vocab_size=64))
+    assert simulator.run("none", 256).peak_bytes > 0
+    with pytest.raises(ValueError, match=r"n_positions=256 .*257 tokens"):
+        simulator.run("none", 257)

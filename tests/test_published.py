@@ -13,8 +13,8 @@ import torch
 
 from hf_offload.tools import measured, step_time
 from hf_offload.tools.benchmarks import published
-from hf_offload.tools.devices import DEVICES
-from hf_offload.tools.simulator import Training
+from hf_offload.tools.devices import DEVICES, TIME_MODEL
+from hf_offload.tools.simulator import StepResult, Training
 
 
 @pytest.fixture(autouse=True)
@@ -117,32 +117,81 @@ def test_zero3_weights_show_only_beyond_compute_and_the_host_optimizer_widens_th
 # -- the time model against the published step times ------------------------------------------------
 
 _TIMED: dict[str, published.Row] = {}
+_POINTS = {point["id"]: point for point in measured.published_points()}
+
+
+def untiled(plan: published.Nearest) -> published.Nearest:
+    """The plan without tiling or offloading: neither changes a step's counts by 1% (tiling
+    recomputes little past what checkpointing does; offloading's copies are not in the time
+    model), and untiled steps of a million tokens take seconds instead of minutes."""
+    return dataclasses.replace(plan, mode=plan.mode.split("+")[0])
 
 
 def timed_steps() -> dict[str, published.Row]:
-    """Each published step time with our prediction. Simulated untiled (mode `checkpointing`), with
-    the setup's sequence parallelism, weights offload and device: tiling and Liger's loss change
-    these steps' counts by under 1% (the benchmark simulates them in full), and untiled steps
-    take seconds instead of minutes."""
+    """Each published step time with our prediction, simulated untiled (`untiled`), with the
+    setup's sequence parallelism, weights offload, micro-batches and device."""
     if not _TIMED:
-        for point in measured.published_points():
+        for point in _POINTS.values():
             plan = published.nearest(point)
             if isinstance(plan, str) or not any(f["kind"] == "step_seconds" for f in point["figures"]):
                 continue
-            plan = dataclasses.replace(plan, mode="checkpointing")
-            for row in published.rows_for(point, plan):
+            for row in published.rows_for(point, untiled(plan)):
                 if row.kind == "step_seconds":
                     _TIMED[point["id"]] = row
     return _TIMED
 
 
-def test_every_published_step_time_within_a_quarter_held_out_ones_included():
-    rows = timed_steps()
+def long_context(rows: dict[str, published.Row]) -> dict[str, published.Row]:
+    return {name: row for name, row in rows.items() if row.band in (published.LONG_CONTEXT, published.HELD_OUT)}
+
+
+def matmul_dominated(rows: dict[str, published.Row]) -> dict[str, published.Row]:
+    return {name: row for name, row in rows.items() if name not in long_context(rows)}
+
+
+def test_every_long_context_step_time_within_a_quarter_held_out_ones_within_a_tenth():
+    rows = long_context(timed_steps())
     assert set(published.FIT) < set(rows) and len(rows) - len(published.FIT) >= len(rows) / 3
     for name, row in rows.items():
-        assert 0.75 <= row.ratio <= 1.25, (name, row.ratio)
-    held_out = [row for name, row in rows.items() if name not in published.FIT]
-    assert max(abs(row.ratio - 1) for row in held_out) <= 0.10
+        assert published.LONG_CONTEXT.holds(row.ratio), (name, row.ratio)
+        assert (row.band is published.HELD_OUT) == (name not in published.FIT)
+        assert row.band.holds(row.ratio), (name, row.ratio)
+
+
+def test_steps_where_matmuls_dominate_are_held_out_within_their_band():
+    """Issue 37: attention is most of every long-context step, so those say nothing of the rest of
+    the time model. Steps of 32K or less where it is the lesser part, from two sources on two GPUs,
+    none of them fitted to, each within its band (`published.MATMULS`, and for Hopper's software of
+    2023 `published.MATMULS_HOPPER_2023`, both with their reasons)."""
+    rows = matmul_dominated(timed_steps())
+    assert len(rows) >= 8 and not set(rows) & set(published.FIT)
+    assert len({_POINTS[name]["source"]["url"] for name in rows}) >= 2
+    assert {_POINTS[name]["device"] for name in rows} >= {"a100-80gb", "h100-80gb"}
+    for name, row in rows.items():
+        rest, attention, _measured = row.timed
+        assert _POINTS[name]["seq_len"] <= 32768 and attention < rest / 2, name
+        assert row.band in (published.MATMULS, published.MATMULS_HOPPER_2023)
+        assert row.band.holds(row.ratio), (name, row.ratio, row.band.name)
+
+
+@pytest.mark.parametrize("factor", [0.75, 1.25])
+def test_the_bands_catch_a_time_model_off_by_a_quarter_outside_attention(monkeypatch, factor):
+    """Companion: with the matmuls' and the memory-bound ops' rates off by a quarter (attention's
+    as fitted), some matmul-dominated step leaves its band; the long-context ones all stay in
+    theirs (why they could not tell)."""
+    model = dataclasses.replace(TIME_MODEL, matmul=TIME_MODEL.matmul / factor, memory=TIME_MODEL.memory / factor)
+    real = published.step_time
+    monkeypatch.setattr(published, "step_time", lambda *args, **kwargs: real(*args, **kwargs, model=model))
+    timed_steps()  # simulated with the real model, once; only the time is recomputed here
+    outside, inside = [], []
+    for name, row in timed_steps().items():
+        point = _POINTS[name]
+        (scaled,) = [
+            r for r in published.rows_for(point, untiled(published.nearest(point))) if r.kind == "step_seconds"
+        ]
+        (outside if not row.band.holds(scaled.ratio) else inside).append(name)
+    assert set(outside) <= set(matmul_dominated(timed_steps())) and outside
+    assert set(long_context(timed_steps())) <= set(inside)
 
 
 def test_the_flash_attention_2_slowdown_in_use_is_the_fit():
@@ -156,6 +205,65 @@ def test_the_quarter_catches_a_model_that_times_flash_attention_2_as_cudnn(monke
     steps), ALST's one-GPU step comes out more than a quarter short of its 16:50."""
     monkeypatch.setitem(step_time.HOPPER_ATTENTION_SLOWDOWN, "flash_attention_2", 1.0)
     point = measured.published_point("alst-1xh100-500k")
-    plan = dataclasses.replace(published.nearest(point), mode="checkpointing")
-    row = next(row for row in published.rows_for(point, plan) if row.kind == "step_seconds")
-    assert row.ratio < 0.75
+    row = next(
+        row for row in published.rows_for(point, untiled(published.nearest(point))) if row.kind == "step_seconds"
+    )
+    assert not published.LONG_CONTEXT.holds(row.ratio) and row.ratio < 0.75
+
+
+# -- published peaks against the simulator's ----------------------------------------------------------
+
+_PEAKS: dict[tuple[str, str], tuple[published.Row, StepResult]] = {}
+
+
+def simulated_peaks() -> dict[tuple[str, str], tuple[published.Row, StepResult]]:
+    """Each published peak our stack simulates, with its row and the step behind it (the whole
+    setup as the benchmark runs it: tiling, Liger's stand-ins, offloading)."""
+    if not _PEAKS:
+        for point in _POINTS.values():
+            plan = published.nearest(point)
+            if isinstance(plan, str) or not plan.memory:
+                continue
+            for row in published.rows_for(point, plan):
+                if row.kind in ("peak_gib", "peak_gb"):
+                    step = published.simulate(plan, point["seq_len"])
+                    _PEAKS[(point["id"], row.kind)] = (row, step)
+    return _PEAKS
+
+
+def test_every_published_peak_we_simulate_is_within_its_band():
+    """ArcticTraining's five (1 H100 and 1 H200; loss-head, MLP and attention peaks; plain, Liger,
+    tiled) and Qwen-7B's four, each against ours less what their run did not allocate, within the
+    band of the counter it was read with (`published.ARCTIC_MEMORY`, `published.UNSTATED_MEMORY`,
+    with their reasons). TRL's and axolotl's peaks are not simulated: why is in each row."""
+    peaks = simulated_peaks()
+    assert sum(name.startswith("arctic-") for name, _kind in peaks) == 5
+    assert sum(name.startswith("qwen-7b-") for name, _kind in peaks) == 4
+    for (name, _kind), (row, _step) in peaks.items():
+        assert row.band in (published.ARCTIC_MEMORY, published.UNSTATED_MEMORY), name
+        assert row.band.holds(row.ratio), (name, row.ratio, row.band.name)
+    not_simulated = [row for point in _POINTS.values() for row in published.rows_for(point, published.nearest(point))
+                     if row.kind in ("peak_gib", "peak_gb") and row.ratio is None]  # fmt: skip
+    assert not_simulated and all(row.differs for row in not_simulated)
+
+
+@pytest.mark.parametrize("factor", [0.75, 1.25])
+def test_the_memory_bands_catch_a_simulator_off_by_a_quarter_outside_attention(monkeypatch, factor):
+    """Companion: every byte at each peak but attention's scaled by `factor` (a simulator off by a
+    quarter in the weights, the optimizer, the MLPs, norms and loss head), every peak that attention
+    does not hold leaves its band. ArcticTraining's 1.2M peak is in attention's backward (its
+    activations and the flash kernel's workspace, three quarters of it): it moves by under 7%,
+    within its band, and stands for attention's memory instead."""
+    peaks = simulated_peaks()
+    simulate = published.simulate  # the steps cached above: only their peaks are scaled here
+    monkeypatch.setattr(published, "simulate", lambda plan, seq_len: published.scaled_outside_attention(
+        simulate(plan, seq_len), factor))  # fmt: skip
+    held_by_attention = []
+    for (name, kind), (row, step) in peaks.items():
+        point = _POINTS[name]
+        (scaled,) = [r for r in published.rows_for(point, published.nearest(point)) if r.kind == kind]
+        if published.attention_bytes(step) > step.tracked_peak_bytes / 2:
+            held_by_attention.append(name)
+            continue
+        assert not row.band.holds(scaled.ratio), (name, scaled.ratio)
+    assert held_by_attention == ["arctic-h200-1.2m-liger-offload-tiled-mlp"]

@@ -8,6 +8,7 @@ companion showing the simulation goes wrong without it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import re
 import warnings
@@ -545,6 +546,47 @@ def test_the_comparison_catches_a_replay_keyed_on_what_a_module_looks_like(monke
     fast, full, _learnt = fast_and_full("gemma3n-alternating-layers-checkpointing+hf_offload+tiled")
     assert abs(fast.peak_bytes / full.peak_bytes - 1) > 0.005
     assert fast.traffic_bytes != full.traffic_bytes
+
+
+def _final_norm_fast_and_full(loss: bool):
+    """Every part tiled, the final norm chained into the tiled loss head (`loss`) or tiled on its
+    own (the loss untiled, as under TRL's or Liger's heads): the memo's step and the full one."""
+    from hf_offload.internal import find_final_norm, resolve_layers
+
+    tiling = dict(mlp=True, norms=True, projections=True, attention=True, loss=loss)
+    training = Training(dtype=torch.bfloat16, lora_rank=4, tile_tokens=512, tiling=tiling)
+    fast = Simulator(AutoConfig.for_model("llama", **_SMALL), training)
+    full = Simulator(AutoConfig.for_model("llama", **_SMALL), training, replay=False)
+    mode = "checkpointing+hf_offload+tiled"
+    norm = find_final_norm(fast.base, resolve_layers(fast.base)[1])
+    return fast.run(mode, 2048), full.run(mode, 2048), fast.memo.replays_by_module.get(id(norm), 0)
+
+
+@pytest.mark.parametrize("loss", [True, False], ids=["chained-into-the-loss-head", "tiled-on-its-own"])
+def test_the_final_norms_slices_are_replayed_and_give_the_full_simulation(loss):
+    """The final norm is tiled as a per-token module wherever it runs, and chained into the tiled
+    loss head where lm_head takes its output: its slices are learnt once and replayed like the
+    layers' parts, and the step is exactly the one that runs every slice."""
+    fast, full, norm_replays = _final_norm_fast_and_full(loss)
+    assert norm_replays >= 2048 // 512  # at least one replay per slice
+    assert fast.peak_bytes == full.peak_bytes and fast.peak.live_by_tag == full.peak.live_by_tag
+    assert (fast.peak.op, fast.peak.tag) == (full.peak.op, full.peak.tag)
+    assert (fast.traffic_bytes, fast.flops_by_tag) == (full.traffic_bytes, full.flops_by_tag)
+
+
+def test_the_final_norm_comparison_catches_a_replay_that_drops_its_counts(monkeypatch):
+    """Companion: a memo whose replays of the final norm forget what they count (the float32 norm's
+    casts and products: traffic, no FLOPs) is caught by the same comparison."""
+    replay_forward = memo.SliceMemo._replay_forward
+
+    def forgetful(self, learnt):
+        if learnt.forward.tag[1:2] == ("norm",):
+            learnt = dataclasses.replace(learnt, forward=dataclasses.replace(learnt.forward, counts=memo.Account()))
+        return replay_forward(self, learnt)
+
+    monkeypatch.setattr(memo.SliceMemo, "_replay_forward", forgetful)
+    fast, full, norm_replays = _final_norm_fast_and_full(loss=True)
+    assert norm_replays > 0 and fast.traffic_bytes < full.traffic_bytes
 
 
 # -- the longest-context pieces: each lowers the peak where its part holds it ----------------------

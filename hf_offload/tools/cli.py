@@ -120,6 +120,8 @@ def _run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     )
 
 
+# `estimate --seq-len` when not given (a model with a shorter table of positions gets its length).
+DEFAULT_ESTIMATE_SEQ_LEN = 8192
 DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
           "fp32": "float32", "float32": "float32"}  # fmt: skip
 
@@ -154,8 +156,10 @@ def _add_estimate_command(commands: argparse._SubParsersAction) -> None:
         "--trust-remote-code", action="store_true", help="allow a config whose model code comes from the hub"
     )
     estimate.add_argument(
-        "--seq-len", type=_int_at_least(2, "seq-len"), default=8192, help="tokens per sequence (default 8192)"
-    )
+        "--seq-len", type=_int_at_least(2, "seq-len"), default=None,
+        help=f"tokens per sequence (default {DEFAULT_ESTIMATE_SEQ_LEN}, or a model's table of positions where it has "
+        "fewer: GPT-2's n_positions)",
+    )  # fmt: skip
     estimate.add_argument(
         "--batch-size", type=_int_at_least(1, "batch-size"), default=1, help="sequences per step (default 1)"
     )
@@ -677,13 +681,15 @@ def _run_estimate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         four_bit=_four_bit(args),
         trl=_trl_step(args),
     )
-    seq_len = args.seq_len if args.completion_length is None else args.completion_length
+    given = args.completion_length if args.completion_length is not None else args.seq_len
+    seq_len = DEFAULT_ESTIMATE_SEQ_LEN if given is None else given
     request = Request(
         config=config,
         name=name,
         training=training,
         modes=modes,
         seq_len=seq_len,
+        seq_len_given=given is not None,
         memory_bytes=memory,
         granularity=args.granularity,
         tflops=args.tflops,

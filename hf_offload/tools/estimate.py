@@ -38,7 +38,7 @@ from hf_offload.tools.grpo_generation import (
     vllm_share,
 )
 from hf_offload.tools.modes import parse_mode
-from hf_offload.tools.simulator import Simulator, StepResult, Training, composition
+from hf_offload.tools.simulator import PositionTable, Simulator, StepResult, Training, composition
 from hf_offload.tools.simulator.generation import DECODE_STEPS
 from hf_offload.tools.simulator.search import LONGEST, LongestSequence, Probe, longest_sequence, search_lengths
 from hf_offload.tools.simulator.tiers import (
@@ -70,6 +70,7 @@ class Request:
     link_gbps: float | None = None
     efficiency: float | None = None
     disk_gbps: float | None = None  # the disk tier's rate (None: DEFAULT_DISK_GBPS)
+    seq_len_given: bool = True  # False: the default length, which a model's position table may cap
 
     @property
     def disk_rate(self) -> float:
@@ -107,6 +108,8 @@ class Estimate:
     seconds: float = 0.0
     # Where host memory alone ends the longest mode early: that mode with a disk tier (`past_the_host`).
     with_disk: tuple[Request, ModeEstimate] | None = None
+    positions: PositionTable | None = None  # the model's table of positions, which caps every length
+    notes: list[str] = field(default_factory=list)  # what the estimate changed in the request, and why
 
     def as_json(self) -> dict:
         """{"modes": {MODE: {"peak_bytes", "host_bytes", "offloaded_bytes", "flops",
@@ -154,6 +157,7 @@ class Estimate:
                     "host_bytes": longest.at_max.host_bytes if longest.at_max else None,
                     "bytes_per_token": entry.bytes_per_token,
                     "reached_limit": longest.reached_limit,
+                    "limit": longest.limit,
                     "tiers": tiers_json(longest.at_max, request) if longest.at_max else None,
                     "probes": [
                         {"seq_len": p.seq_len, "peak_bytes": p.peak_bytes, "fits": p.fits} for p in longest.probes
@@ -196,6 +200,8 @@ class Estimate:
                 "offload_params": training.offload_params,
                 "four_bit": None if training.four_bit is None else four_bit_json(training.four_bit),
                 "trl": None if training.trl is None else trl_json(training.trl, training),
+                "position_table": None if self.positions is None else {
+                    "field": self.positions.field, "rows": self.positions.rows, "module": self.positions.module},
                 "simulated": True,
             },
             "modes": modes,
@@ -284,25 +290,32 @@ def _trl_version() -> str:
 
 def run_estimate(request: Request, *, echo=print, jobs: int | None = None) -> Estimate:
     """Simulate every mode of `request`; with `jobs` > 1 (default: one per mode, up to the CPUs),
-    modes run in that many forked processes, each with a model of its own."""
+    modes run in that many forked processes, each with its own copy of the model built here. A
+    model whose positions are a table (GPT-2's `n_positions`) holds every length to it
+    (`within_positions`)."""
     started = time.perf_counter()
     for mode in request.modes:
         parse_mode(mode)  # a bad name fails before anything runs
-    estimate = Estimate(request)
+    simulator = Simulator(request.config, request.training)
+    request, notes = within_positions(request, simulator.positions)
+    estimate = Estimate(request, positions=simulator.positions, notes=notes)
     if request.training.trl is not None and request.training.trl.trainer == "grpo":
         rates()  # the decode model's constants, once, before any fork (grpo_generation's time)
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     jobs = min(len(request.modes), cpus) if jobs is None else jobs
     context = multiprocessing.get_context("fork") if "fork" in multiprocessing.get_all_start_methods() else None
     if jobs > 1 and context is not None:
-        with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
-            entries = pool.map(_simulate_mode, [(request, mode) for mode in request.modes])
-            for mode, entry in zip(request.modes, entries, strict=True):
-                estimate.modes.append(entry)
-                if echo is not None:
-                    echo(f"  simulated {mode} ({time.perf_counter() - started:.0f} s in)")
+        _worker_simulator[:] = [simulator]  # each forked worker steps its own copy of the model built here
+        try:
+            with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
+                entries = pool.map(_simulate_mode, [(request, mode) for mode in request.modes])
+                for mode, entry in zip(request.modes, entries, strict=True):
+                    estimate.modes.append(entry)
+                    if echo is not None:
+                        echo(f"  simulated {mode} ({time.perf_counter() - started:.0f} s in)")
+        finally:
+            _worker_simulator.clear()
     else:
-        simulator = Simulator(request.config, request.training)
         pair = context if cpus > 1 else None  # a search's steps two at a time, in a forked process
         for mode in request.modes:
             estimate.modes.append(_estimate_mode(simulator, request, mode, pair=pair))
@@ -311,6 +324,42 @@ def run_estimate(request: Request, *, echo=print, jobs: int | None = None) -> Es
     estimate.with_disk = past_the_host(estimate, cpus, context, echo)
     estimate.seconds = time.perf_counter() - started
     return estimate
+
+
+def position_limit(request: Request, positions: PositionTable | None) -> int | None:
+    """The longest `seq_len` a model's position table allows (for DPO and GRPO, completion tokens
+    after the prompt's); None without a table."""
+    if positions is None:
+        return None
+    trl = request.training.trl
+    return positions.rows - (trl.row_length(0) if trl is not None else 0)
+
+
+def within_positions(request: Request, positions: PositionTable | None) -> tuple[Request, list[str]]:
+    """`request` within the model's position table: a length given beyond it is refused, naming
+    the table's config field and its value; the default length and search grid are cut to it, and
+    the notes say so."""
+    limit = position_limit(request, positions)
+    if limit is None or (request.seq_len <= limit and request.granularity <= limit):
+        return request, []
+    model_type = request.config.get_text_config().model_type
+    table = positions.describe(model_type)
+    what = "completion tokens after the prompt" if limit != positions.rows else "tokens per sequence"
+    if limit < 2:
+        raise ValueError(f"{table}: {limit} {what} leave nothing to train")
+    if request.seq_len > limit and request.seq_len_given:
+        raise ValueError(
+            f"{table}: a length of {request.seq_len:,} would index past it (on a GPU, an index out of range in the "
+            f"lookup); give --seq-len of at most {limit:,} ({what})"
+        )
+    notes = []
+    if request.seq_len > limit:
+        notes.append(f"{table}: the default length cut to its {limit:,} {what}")
+        request = replace(request, seq_len=limit)
+    if request.granularity > limit:
+        notes.append(f"{table}: the search's grid cut to {limit:,} tokens")
+        request = replace(request, granularity=limit)
+    return request, notes
 
 
 # "As much disk as the length takes", to say how much that is: 1 PiB.
@@ -387,7 +436,7 @@ def _estimate_mode(simulator: Simulator, request: Request, mode: str, *, pair=No
     trl = training.trl
     plan = _generation_plan(simulator, request, mode) if trl is not None and trl.trainer == "grpo" else None
     longest = slope = None
-    capped = False
+    capped = at_table = False
     if request.memory_bytes is not None:
         # What generation keeps on the GPU during the step (vLLM colocated) is not the step's.
         step_memory = request.memory_bytes - (plan.during_step if plan is not None else 0)
@@ -396,15 +445,23 @@ def _estimate_mode(simulator: Simulator, request: Request, mode: str, *, pair=No
             # Generation on this GPU bounds the answer, and it is known without searching the step:
             # the step at that bound fits, or the step's own search finds where below it.
             limit, _reason = plan.longest(request.memory_bytes, request.granularity)
+            table = position_limit(request, simulator.positions)
+            at_table = limit is not None and table is not None and limit >= table
+            if at_table:  # generation would go past the model's position table: the table ends it
+                limit = table
             capped = limit is None or run(limit, False).peak_bytes <= step_memory
     if request.memory_bytes is not None and capped:
         at = None if limit is None else results[limit]
         longest = LongestSequence(mode, step_memory, request.granularity, max_seq_len=limit, at_max=at,
-                                  reached_limit=False)  # fmt: skip
+                                  reached_limit=at_table, limit=table if at_table else LONGEST)  # fmt: skip
         if at is not None:
             longest.probes.append(Probe(limit, at.peak_bytes, True, at.host_bytes))
     elif request.memory_bytes is not None:
         lengths = search_lengths(request.config, training, mode, request.seq_len)
+        limit = position_limit(request, simulator.positions)
+        if limit is not None:  # both within the table: the search's line needs two lengths that run
+            second = min(lengths[1], limit)
+            lengths = (min(lengths[0], max(second // 2, 2)), second)
         tiered = {}
         if training.disk_memory_bytes is not None and parse_mode(mode).hf_offload:
 
@@ -428,6 +485,7 @@ def _estimate_mode(simulator: Simulator, request: Request, mode: str, *, pair=No
             lengths=lengths,
             **tiered,
             run_together=None if pair is None else run_together,
+            limit=LONGEST if limit is None else limit,
         )
         short, long_ = results[lengths[0]], results[lengths[1]]
         slope = (long_.peak_bytes - short.peak_bytes) / (long_.tokens - short.tokens)
@@ -640,7 +698,7 @@ def _headline_lines(estimate: Estimate) -> list[str]:
             lines.extend(f"    {line}" for line in _none_fits_lines(entry, request))
             continue
         at = longest.at_max
-        value = f">= {LONGEST:,}" if longest.reached_limit else f"{longest.max_seq_len:,}"
+        value = _longest_value(longest)
         host = f", host {size(at.host_bytes)}" if at.host_bytes else ""
         if at.tiers is not None:
             host = f", {_tiers_needed(at, request)}"
@@ -648,6 +706,7 @@ def _headline_lines(estimate: Estimate) -> list[str]:
         lines.append(f"  {entry.mode:<34}{value:>12} tokens  ({what} {size(at.peak_bytes)}{host})")
         if entry.generation is not None:
             lines.extend(f"    {line}" for line in _generation_lines(entry, request))
+    lines.extend(_position_lines(estimate))
     best = longest_mode(estimate)
     lines.extend(_host_lines(estimate, best))
     if best is not None:
@@ -807,6 +866,8 @@ def format_estimate(estimate: Estimate, *, device_given: bool) -> str:
     if request.memory_bytes is not None:
         lines.extend(_headline_lines(estimate))
         lines.append("")
+    elif estimate.notes:
+        lines.extend([*_position_lines(estimate), ""])
     large = max(entry.step.peak_bytes for entry in estimate.modes) >= GIB
     unit, scale = ("GiB", GIB) if large else ("MiB", 2**20)
     flop_unit, flop_scale = ("TFLOP", 1e12) if large else ("GFLOP", 1e9)
@@ -1068,6 +1129,29 @@ def _tier_lines(step: StepResult, request: Request) -> list[str]:
     return lines
 
 
+def _longest_value(longest: LongestSequence, *, grouped: bool = True) -> str:
+    """The longest length as shown: '>= LONGEST' where the search ran out of lengths, and marked *
+    where the model's position table stopped it, not memory."""
+    if longest.reached_limit and longest.limit >= LONGEST:
+        return f">= {LONGEST:,}" if grouped else f">={LONGEST}"
+    value = f"{longest.max_seq_len:,}" if grouped else f"{longest.max_seq_len}"
+    return value + ("*" if longest.reached_limit else "")
+
+
+def _position_lines(estimate: Estimate) -> list[str]:
+    """What the model's position table did to the request and to the search."""
+    lines = [f"  {note}" for note in estimate.notes]
+    capped = [entry.mode for entry in estimate.modes if entry.longest is not None and entry.longest.reached_limit
+              and entry.longest.limit < LONGEST]  # fmt: skip
+    if capped and estimate.positions is not None:
+        table = estimate.positions.describe(estimate.request.config.get_text_config().model_type)
+        lines.append(
+            f"  * {table}: no longer sequence runs (on a GPU, an index out of range), whatever the memory; "
+            f"{', '.join(capped)} fit there"
+        )
+    return lines
+
+
 def _longest_lines(estimate: Estimate) -> list[str]:
     request = estimate.request
     memory = request.memory_bytes
@@ -1080,9 +1164,7 @@ def _longest_lines(estimate: Estimate) -> list[str]:
     for entry in estimate.modes:
         longest = entry.longest
         at = longest.at_max
-        value = "none" if longest.max_seq_len is None else f"{longest.max_seq_len}"
-        if longest.reached_limit:
-            value = f">={LONGEST}"
+        value = "none" if longest.max_seq_len is None else _longest_value(longest, grouped=False)
         per_token = "-" if entry.bytes_per_token is None else f"{entry.bytes_per_token / 1e6:.3f}"
         # With a disk tier the step was simulated with every layer offloaded: the host holds what
         # the tiers' plan leaves it, not all of that.

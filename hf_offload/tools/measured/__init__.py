@@ -77,7 +77,8 @@ def markdown(name: str = H200) -> str:
 
 def published_points(name: str = PUBLISHED) -> list[dict]:
     """The published points: {"id", "source": {"title", "url", "version", "read", "note"}, "model",
-    "preset", "gpus", "gpu", "device" (a --device preset or None), "seq_len", "setup": {...},
+    "preset" (a --preset shape, or None with "config": transformers config options of the model's
+    shape), "gpus", "gpu", "device" (a --device preset or None), "seq_len", "setup": {...},
     "figures": [{"kind", "value", ...}]}, checked for what every reader relies on."""
     points = load(name)["points"]
     seen = set()
@@ -91,6 +92,8 @@ def published_points(name: str = PUBLISHED) -> list[dict]:
             raise ValueError(f"{where} needs a source with a title, a url and read: true or false")
         if not source["read"] and "not re-read" not in source.get("note", ""):
             raise ValueError(f"{where} was not read at its source: its note must say 'not re-read' and why")
+        if point.get("preset") is None and not isinstance(point.get("config"), dict):
+            raise ValueError(f"{where} needs a preset or a config (the model's shape)")
         for figure in point["figures"]:
             if figure["kind"] not in FIGURE_KINDS:
                 raise ValueError(f"{where} has a figure of kind {figure['kind']!r}; known: {', '.join(FIGURE_KINDS)}")

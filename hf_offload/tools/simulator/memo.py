@@ -5,8 +5,8 @@ of the sequence: in forward under no_grad, and in backward with grad, recomputin
 differentiating it with `torch.autograd.grad`. At a million tokens that is 256 calls per module
 and step on the same shapes, each costing the full Python price of the module (PEFT's LoRA
 forward is about 0.6 ms) and of autograd. `SliceMemo` sits under tiling, as an instance-level
-forward of every submodule of the decoder layers and of lm_head, installed before tiling wraps
-them, so that tiling's slices call it.
+forward of every submodule of the decoder layers, of the final norm and of lm_head, installed
+before tiling wraps them, so that tiling's slices call it.
 
 A call is memoised when it is a pure function of what the key holds: grad off (a forward slice),
 or grad on inside an autograd node with no saved-tensor hooks (a slice recomputed in backward).
@@ -180,6 +180,7 @@ class SliceMemo:
         self.parameters: dict[int, list[nn.Parameter]] = {}  # by module, those requiring grad
         self.learning = False
         self.replays = 0
+        self.replays_by_module: dict[int, int] = {}  # by id of the module: what was replayed where
         self.real_calls = 0
         self.approximated = 0  # backwards that could not be replayed and ran again for real
         self.modules: list[nn.Module] = []
@@ -247,6 +248,7 @@ class SliceMemo:
                 return self._real(forward, args, kwargs)
             state.entry = learnt
         self.replays += 1
+        self.replays_by_module[id(module)] = self.replays_by_module.get(id(module), 0) + 1
         learnt = state.entry
         if not grad:
             return _rebuild(learnt, self._replay_forward(learnt))

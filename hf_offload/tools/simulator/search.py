@@ -41,7 +41,8 @@ class LongestSequence:
     predicted: int | None = None  # what the two lines predicted
     at_max: StepResult | None = None
     probes: list[Probe] = field(default_factory=list)
-    reached_limit: bool = False
+    reached_limit: bool = False  # the search stopped at `limit`: memory allows at least max_seq_len
+    limit: int = LONGEST  # the longest length searched: LONGEST, or what the model can run (its positions)
 
 
 # A tiled search starts at this many slices of the layers' tile: there a slice's own bytes are a
@@ -98,6 +99,7 @@ def longest_sequence(
     stored: Callable[[StepResult], bool] | None = None,
     storable: Callable[[StepResult, StepResult], int | None] | None = None,
     run_together: Callable[[list[tuple[int, bool]]], list[StepResult]] | None = None,
+    limit: int = LONGEST,
 ) -> LongestSequence:
     """`run(seq_len, trace)` simulates one step. The answer is a multiple of `granularity` that
     fits, with the next multiple simulated and not fitting (or LONGEST reached).
@@ -115,13 +117,21 @@ def longest_sequence(
     `run_together(tasks)`, where given, simulates several `(seq_len, trace)` at once (in parallel
     processes): the first two lengths, the prediction with the grid point after it (the two steps
     that end the search when the prediction holds), and where the search bisects, the bracket's
-    two thirds."""
+    two thirds.
+
+    `limit` is the longest length the model can run at all (a table of positions, GPT-2's
+    `n_positions`): no step is simulated past it, and a search that reaches it stops there
+    (`reached_limit`, with `limit` kept on the result)."""
     if granularity < 1:
         raise ValueError(f"granularity must be >= 1, got {granularity}")
-    result = LongestSequence(mode=mode, memory_bytes=memory_bytes, granularity=granularity)
+    if not granularity <= limit <= LONGEST:
+        raise ValueError(f"limit must be within [granularity={granularity}, {LONGEST}], got {limit}")
+    if max(lengths) > limit:
+        raise ValueError(f"the search's first lengths {lengths} must be within its limit of {limit} tokens")
+    result = LongestSequence(mode=mode, memory_bytes=memory_bytes, granularity=granularity, limit=limit)
     results: dict[int, StepResult] = {}
     grid = granularity
-    top = LONGEST // grid * grid
+    top = limit // grid * grid
 
     def ok(step: StepResult) -> bool:
         return step.peak_bytes <= memory_bytes and (stored is None or stored(step))

@@ -30,6 +30,7 @@ from hf_offload.internal import (
     MetaStreams,
     TierPlan,
     device_streams,
+    find_final_norm,
     place_last_pass,
     resolve_layers,
     simulated_device,
@@ -420,6 +421,53 @@ class ParameterOffload:
         return total + trainable * per_trainable
 
 
+# The config fields that size a table of positions, in the order they are looked up.
+POSITION_FIELDS = ("n_positions", "max_position_embeddings", "n_ctx", "max_seq_len", "seq_length")
+_POSITION_NAMES = ("wpe", "embed_positions", "position_embeddings", "pos_emb", "pos_embed", "positional_embedding")
+
+
+@dataclass(frozen=True)
+class PositionTable:
+    """A model whose positions are rows of an embedding table (GPT-2's `wpe`, OPT's
+    `embed_positions`: learned, or fixed as an `nn.Embedding`): a sequence with more positions
+    than its rows indexes past the table, which on a GPU fails (index out of range). Rotary and
+    ALiBi models have no such table and no such limit."""
+
+    field: str  # the config field that sizes the table ("" where none does)
+    rows: int  # the most positions a sequence can have
+    module: str  # the table's module, by name
+
+    def describe(self, model_type: str) -> str:
+        size = f"{self.field}={self.rows}" if self.field else f"{self.rows} rows"
+        return f"{model_type}'s positions are a table of {size} ({self.module})"
+
+
+def position_table(model: torch.nn.Module, config) -> PositionTable | None:
+    """The table `model` looks its positions up in, if any: an `nn.Embedding` other than the token
+    embeddings, named or typed as positions, its rows given by the config field that sizes it (OPT's
+    and BART's tables keep 2 rows more than `max_position_embeddings` for an offset), or a fixed
+    table kept as a buffer (CTRL's `pos_encoding`)."""
+    text = config.get_text_config()
+    tokens = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Embedding) or module is tokens:
+            continue
+        if name.rsplit(".", 1)[-1] not in _POSITION_NAMES and "position" not in type(module).__name__.lower():
+            continue
+        for field_name in POSITION_FIELDS:
+            value = getattr(text, field_name, None)
+            if isinstance(value, int) and not isinstance(value, bool) and 0 <= module.num_embeddings - value <= 2:
+                return PositionTable(field_name, value, name)
+        return PositionTable("", module.num_embeddings, name)
+    for name, buffer in model.named_buffers():  # a fixed table kept as a buffer (CTRL's sinusoids)
+        if name.rsplit(".", 1)[-1] in _POSITION_NAMES + ("pos_encoding",) and buffer.dim() == 2:
+            for field_name in POSITION_FIELDS:
+                value = getattr(text, field_name, None)
+                if isinstance(value, int) and not isinstance(value, bool) and buffer.shape[0] == value:
+                    return PositionTable(field_name, value, name)
+    return None
+
+
 class Simulator:
     """A model built once on the meta device, then stepped in any mode at any length.
 
@@ -473,6 +521,7 @@ class Simulator:
         self.labels, self.hooked = _module_labels(self.base)
         self.reference = self._reference_model(config) if training.trl is not None else None
         self.resident_bytes = self.tracker.live  # weights, the reference model's, optimizer state
+        self.positions = position_table(self.base, config)  # None: no table, no limit on the length
 
     def _reference_model(self, config):
         """The second model a TRL trainer keeps on the device (`TrlStep.loads_reference`): loaded
@@ -526,6 +575,13 @@ class Simulator:
             raise ValueError(f"mode {parsed.name!r} cannot be simulated: {NOT_SIMULATED[parsed.base]}")
         if seq_len < 2:
             raise ValueError(f"seq_len must be >= 2 (a causal LM predicts each token from those before), got {seq_len}")
+        positions = self.training.trl.row_length(seq_len) if self.training.trl is not None else seq_len
+        if self.positions is not None and positions > self.positions.rows:
+            raise ValueError(
+                f"{self.positions.describe(self.config.get_text_config().model_type)}: a sequence of {positions:,} "
+                f"tokens would index past it (on a GPU, an index out of range in the lookup); at most "
+                f"{self.positions.rows:,} tokens per sequence"
+            )
         if parsed.liger and self.training.trl is not None:
             raise ValueError(f"mode {parsed.name!r}: TRL's trainers refuse Liger's fused cross-entropy (theirs runs)")
         started = time.perf_counter()
@@ -628,9 +684,14 @@ class Simulator:
         return result
 
     def _memo_modules(self) -> list[torch.nn.Module]:
-        """What tiling may run slice by slice: the decoder layers' parts (not the layers), lm_head."""
+        """What tiling may run slice by slice: the decoder layers' parts (not the layers), the final
+        norm (a per-token module of its own, and a stage of the tiled loss where lm_head takes its
+        output) and lm_head."""
         _adapter, layers = resolve_layers(self.base)
         modules = [module for layer in layers for module in layer.modules() if module is not layer]
+        norm = find_final_norm(self.base, layers)
+        if norm is not None:
+            modules.append(norm)
         head = self.base.get_output_embeddings() if hasattr(self.base, "get_output_embeddings") else None
         if isinstance(head, torch.nn.Module):
             modules.append(head)
