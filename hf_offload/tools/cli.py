@@ -442,13 +442,6 @@ def _trl_step(args: argparse.Namespace):
 
 def _check_trl_arguments(args: argparse.Namespace, parser: argparse.ArgumentParser, modes: list[str]) -> None:
     from .modes import parse_mode
-    from .simulator.trl import (
-        BOTH_GENERATION_SIZES,
-        default_steps_per_generation,
-        not_divisible_by_batch,
-        not_divisible_by_generations,
-        too_few_generations,
-    )
 
     trainer = args.trainer
     for option, value, trainers in (
@@ -501,6 +494,15 @@ def _check_trl_arguments(args: argparse.Namespace, parser: argparse.ArgumentPars
                      "precomputed reference log-probs would go stale)")  # fmt: skip
     if trainer != "grpo":
         return
+    # TRL's own words for GRPO's batch arithmetic; the module imports torch, so only here.
+    from .simulator.trl import (
+        BOTH_GENERATION_SIZES,
+        default_steps_per_generation,
+        not_divisible_by_batch,
+        not_divisible_by_generations,
+        too_few_generations,
+    )
+
     generations = 8 if args.num_generations is None else args.num_generations
     if generations < 2:
         parser.error(f"argument --num-generations: {too_few_generations(generations)}")
