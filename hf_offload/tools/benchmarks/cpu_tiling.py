@@ -1,6 +1,6 @@
 """What sequence tiling costs in step time on the CPU, with one torch thread and with two.
 
-    python -m hf_offload.tools.benchmarks.cpu_tiling [--seq-lens 1024 4096] [--threads 1 2] [--rounds 7]
+    python -m hf_offload.tools.benchmarks.cpu_tiling [--seq-lens 1024 4096] [--threads 1 2] [--rounds 7] [--busy N]
 
 Tiling runs each per-token part of a layer (MLP, norms, projections), attention's heads and the
 loss head a slice at a time, so a step issues many smaller matmuls instead of a few large ones. On
@@ -14,11 +14,16 @@ measurement (torch's default on this machine is the number of cores).
 
 The slices are hidden_size tokens (tiling's default on the CPU: 256 here), so 1,024 tokens make
 4 slices per part and 4,096 make 16.
+
+`--busy N` keeps N other processes spinning on the CPU while it measures: a shared machine, where
+another job holds a core that one of torch's threads needs.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import multiprocessing
 import statistics
 import time
 
@@ -72,26 +77,48 @@ def measure(seq_len: int, threads: int, rounds: int) -> dict:
     }
 
 
+def _spin() -> None:
+    while True:
+        pass
+
+
+@contextlib.contextmanager
+def busy(processes: int):
+    """`processes` other processes each holding a core, for as long as the block runs."""
+    spinners = [multiprocessing.get_context("spawn").Process(target=_spin, daemon=True) for _ in range(processes)]
+    for spinner in spinners:
+        spinner.start()
+    try:
+        yield
+    finally:
+        for spinner in spinners:
+            spinner.terminate()
+            spinner.join()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--busy", type=int, default=0, help="other processes spinning on the CPU meanwhile")
     args = parser.parse_args(argv)
     default_threads = torch.get_num_threads()
-    print(f"torch {torch.__version__}, default threads {default_threads}; medians of {args.rounds} steps each")
+    print(f"torch {torch.__version__}, default threads {default_threads}; medians of {args.rounds} steps each; "
+          f"{args.busy} other processes spinning")  # fmt: skip
     print("| tokens | threads | untiled s | tiled s | tiled / untiled | range untiled | range tiled |")
     print("|---|---|---|---|---|---|---|")
     try:
-        for seq_len in args.seq_lens:
-            for threads in args.threads:
-                r = measure(seq_len, threads, args.rounds)
-                (ul, uh), (tl, th) = r["spread"]["untiled"], r["spread"]["tiled"]
-                print(
-                    f"| {seq_len:,} | {threads} | {r['untiled_s']:.3f} | {r['tiled_s']:.3f} | {r['ratio']:.2f}x "
-                    f"| {ul:.3f}-{uh:.3f} | {tl:.3f}-{th:.3f} |",
-                    flush=True,
-                )
+        with busy(args.busy):
+            for seq_len in args.seq_lens:
+                for threads in args.threads:
+                    r = measure(seq_len, threads, args.rounds)
+                    (ul, uh), (tl, th) = r["spread"]["untiled"], r["spread"]["tiled"]
+                    print(
+                        f"| {seq_len:,} | {threads} | {r['untiled_s']:.3f} | {r['tiled_s']:.3f} | {r['ratio']:.2f}x "
+                        f"| {ul:.3f}-{uh:.3f} | {tl:.3f}-{th:.3f} |",
+                        flush=True,
+                    )
     finally:
         torch.set_num_threads(default_threads)
     return 0
