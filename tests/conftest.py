@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import copy
 import gc
+import logging
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -173,6 +175,17 @@ def twin(model: torch.nn.Module) -> torch.nn.Module:
 
 def collect() -> None:
     gc.collect()
+
+
+@pytest.fixture
+def quiet_simulation():
+    """For tests that simulate steps on tiny configs (pytestmark = usefixtures("quiet_simulation")):
+    transformers' warnings about the tiny sizes, and the ones the simulation meets on purpose
+    (checkpointing turning the cache off, the CPU without an accelerator), kept out of the report."""
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
 
 
 @pytest.fixture

@@ -6,8 +6,6 @@ KV cache's exactly linear growth; held to real CPU allocations of `generate` as 
 from __future__ import annotations
 
 import functools
-import logging
-import warnings
 
 import pytest
 import torch
@@ -25,12 +23,7 @@ CONFIG = dict(vocab_size=64, max_position_embeddings=2048, pad_token_id=0, bos_t
               attn_implementation="eager")  # fmt: skip
 
 
-@pytest.fixture(autouse=True)
-def quiet():
-    logging.getLogger("transformers").setLevel(logging.ERROR)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
+pytestmark = pytest.mark.usefixtures("quiet_simulation")
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,6 @@ the CPU, and the options of `hf-offload estimate` that ask for them."""
 from __future__ import annotations
 
 import contextlib
-import logging
-import warnings
 
 # bitsandbytes is a test dependency (pyproject's test extras): its absence is a failure, not a skip.
 import bitsandbytes
@@ -23,12 +21,7 @@ from hf_offload.tools.simulator.four_bit import FourBit, quantized_state_tensors
 FP32, BF16 = torch.float32, torch.bfloat16
 
 
-@pytest.fixture(autouse=True)
-def quiet():
-    logging.getLogger("transformers").setLevel(logging.ERROR)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
+pytestmark = pytest.mark.usefixtures("quiet_simulation")
 
 
 def _config(layers: int, width: int) -> dict:

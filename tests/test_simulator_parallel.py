@@ -3,9 +3,6 @@ on a tiny grouped-query Llama: what the tracker saw, against what each must chan
 
 from __future__ import annotations
 
-import logging
-import warnings
-
 import pytest
 import torch
 from transformers import LlamaConfig
@@ -18,12 +15,7 @@ HEADS, KV_HEADS, HEAD_DIM, LAYERS = 4, 2, 32, 2
 SEQ = 512
 
 
-@pytest.fixture(autouse=True)
-def quiet():
-    logging.getLogger("transformers").setLevel(logging.ERROR)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
+pytestmark = pytest.mark.usefixtures("quiet_simulation")
 
 
 def gqa_config(**overrides) -> LlamaConfig:
