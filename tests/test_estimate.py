@@ -301,6 +301,16 @@ def test_the_default_length_and_the_search_stop_at_the_table(gpt2_dir, capsys):
     assert "512*" in text and "n_positions=512" in text and "default length cut" in text
 
 
+def test_grpos_generation_stops_at_the_table_too(gpt2_dir, capsys):
+    """GRPO's answer comes from generation's limit where generation binds; a model with a position
+    table cannot generate past it either: 512 rows less a 128-token prompt, marked as the table's."""
+    result = estimate_json(capsys, "--model", str(gpt2_dir), "--lora-rank", "4", "--trainer", "grpo",
+                           "--prompt-length", "128", "--device-memory", "8", "--modes", "checkpointing")  # fmt: skip
+    search = result["modes"]["checkpointing"]["max_seq"]
+    assert result["modes"]["checkpointing"]["max_seq_len"] == 384
+    assert search["reached_limit"] and search["limit"] == 384
+
+
 def test_the_simulator_refuses_a_step_past_the_table():
     from transformers import AutoConfig
 
