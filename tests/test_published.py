@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import multiprocessing
 import warnings
-from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 import torch
@@ -133,12 +131,9 @@ def timed_steps() -> dict[str, published.Row]:
     """Each published step time with our prediction, simulated untiled (`untiled`), with the
     setup's sequence parallelism, weights offload, micro-batches and device."""
     if not _TIMED:
-        timed = [point for point in _POINTS.values() if any(f["kind"] == "step_seconds" for f in point["figures"])]
-        plans = [(published.nearest(point), point["seq_len"]) for point in timed]
-        _simulate_two_at_a_time([(untiled(plan), seq_len) for plan, seq_len in plans if not isinstance(plan, str)])
-        for point in timed:
+        for point in _POINTS.values():
             plan = published.nearest(point)
-            if isinstance(plan, str):
+            if isinstance(plan, str) or not any(f["kind"] == "step_seconds" for f in point["figures"]):
                 continue
             for row in published.rows_for(point, untiled(plan)):
                 if row.kind == "step_seconds":
@@ -221,26 +216,10 @@ def test_the_quarter_catches_a_model_that_times_flash_attention_2_as_cudnn(monke
 _PEAKS: dict[tuple[str, str], tuple[published.Row, StepResult]] = {}
 
 
-def _simulate(task: tuple[published.Nearest, int]) -> StepResult:
-    return published.simulate(*task)
-
-
-def _simulate_two_at_a_time(tasks: list[tuple[published.Nearest, int]]) -> None:
-    """The steps behind the published peaks, simulated in two forked processes (the suite's two
-    cores; each step is independent) into the benchmark's own cache, where `published.simulate`
-    finds them."""
-    with ProcessPoolExecutor(max_workers=2, mp_context=multiprocessing.get_context("fork")) as pool:
-        for (plan, seq_len), step in zip(tasks, pool.map(_simulate, tasks), strict=True):
-            published.cache_step(plan, seq_len, step)
-
-
 def simulated_peaks() -> dict[tuple[str, str], tuple[published.Row, StepResult]]:
     """Each published peak our stack simulates, with its row and the step behind it (the whole
     setup as the benchmark runs it: tiling, Liger's stand-ins, offloading)."""
     if not _PEAKS:
-        plans = [(published.nearest(point), point["seq_len"]) for point in _POINTS.values()]
-        _simulate_two_at_a_time([(plan, seq_len) for plan, seq_len in plans
-                                 if not isinstance(plan, str) and plan.memory])  # fmt: skip
         for point in _POINTS.values():
             plan = published.nearest(point)
             if isinstance(plan, str) or not plan.memory:

@@ -326,11 +326,6 @@ _SIMULATORS: dict[tuple, Simulator] = {}
 _STEPS: dict[tuple, StepResult] = {}  # points that share a setup (TRL's two kernels) share its step
 
 
-def cache_step(plan: Nearest, seq_len: int, step: StepResult) -> None:
-    """A step of `plan` simulated elsewhere (a forked process), for `simulate` to return."""
-    _STEPS[(plan.model_key, plan.training, plan.mode, seq_len)] = step
-
-
 def simulate(plan: Nearest, seq_len: int) -> StepResult:
     key = (plan.model_key, plan.training)
     if (*key, plan.mode, seq_len) in _STEPS:
