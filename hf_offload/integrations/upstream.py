@@ -213,6 +213,11 @@ INVENTORY: dict[str, Reliance] = {
         "peft", "peft.tuners.lora.layer:LoraLayer.base_layer", "structure", "hf_offload/adapters/base.py",
         "LoRA'd attention projections tiled; the late prefetch point", HELD,
         "tests/test_tiling.py::test_any_order_of_tiling_offloading_and_peft"),
+    "peft.autocast_on_the_parameters_device": Reliance(
+        "peft", "peft.tuners.lora.layer:_LoraFactorsProxy.forward (torch.autocast(device_type=W.device.type))",
+        "behaviour", _SIM + "stand_ins.py (autocast_regions_on_meta)",
+        "estimate of a mixture of experts with LoRA on its experts (PEFT >= 0.22: \"meta\" has no autocast)", HELD,
+        "tests/test_cli_arguments.py::test_a_mixture_of_experts_with_lora_is_simulated", "0.22.0"),
     "accelerate.shared_state": Reliance(
         "accelerate", "accelerate.state:PartialState._shared_state", "private name",
         "hf_offload/integrations/sequence_parallel.py",

@@ -7,6 +7,7 @@ import argparse
 import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from hf_offload import __version__
 
@@ -710,15 +711,24 @@ def _run_estimate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     try:
         estimate = run_estimate(request, echo=progress)
     except UpstreamChanged as error:  # another library's release moved what the simulator stands in for
-        parser.error(f"cannot simulate {name}: {error}")
+        _failed(parser, f"cannot simulate {name}: {error}")
     except (ValueError, TypeError, KeyError) as error:
         parser.error(f"cannot simulate {name}: {error}")
     except RuntimeError as error:  # the model's own code refused the step (a shape it cannot take, say)
         first = str(error).strip().splitlines()[0] if str(error).strip() else ""
         failed = f"{type(error).__name__}: {first}"
-        parser.error(f"cannot simulate {name} at {seq_len} tokens: the model failed: {failed}")
+        _failed(parser, f"cannot simulate {name} at {seq_len} tokens: the model failed: {failed}")
     print(format_json(estimate) if args.json else format_estimate(estimate, device_given=args.device is not None))
     return 0
+
+
+def _failed(parser: argparse.ArgumentParser, message: str) -> NoReturn:
+    """A failure that is not the arguments': said without the usage text (argparse's `error` prints
+    it, as if the arguments were wrong), exit status 1."""
+    import sys
+
+    print(f"{parser.prog}: error: {message}", file=sys.stderr)
+    raise SystemExit(1)
 
 
 def _add_bench_command(commands: argparse._SubParsersAction) -> None:

@@ -46,6 +46,7 @@ from .stand_ins import (
     UlyssesTraffic,
     attention_as_on_cuda,
     autocast_as_on_cuda,
+    autocast_regions_on_meta,
     real_device_masking,
     simulated_liger_loss,
     simulated_ulysses,
@@ -638,6 +639,7 @@ class Simulator:
             stack.enter_context(device_streams(lambda device: _TrackedStreams(device, tracker)))
             stack.enter_context(real_device_masking(padded=training.padded))
             stack.enter_context(attention_as_on_cuda(training.device.compute_capability))
+            stack.enter_context(autocast_regions_on_meta())
             if training.autocast is not None:
                 stack.enter_context(autocast_as_on_cuda(tracker.in_the_step))
             if training.four_bit is not None:

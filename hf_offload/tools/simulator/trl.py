@@ -42,6 +42,8 @@ from torch.overrides import TorchFunctionMode
 
 from hf_offload.internal import present, replaced, resolve
 
+from .stand_ins import autocast_regions_on_meta
+
 TRAINERS = ("sft", "dpo", "grpo")
 KERNELS = ("triton", "torch")
 VLLM_MODES = ("colocate", "server")
@@ -412,22 +414,6 @@ class _Scoring(TorchFunctionMode):
 _HALF = (torch.float16, torch.bfloat16)
 
 
-def _autocast_answers() -> list[tuple[object, str, object]]:
-    """TRL asks `torch.is_autocast_enabled(device.type)`, which PyTorch refuses for "meta"; the
-    CPU's autocast stands for CUDA's in the simulated step (`stand_ins.autocast_as_on_cuda`)."""
-    enabled, dtype = torch.is_autocast_enabled, torch.get_autocast_dtype
-
-    def is_autocast_enabled(device_type=None):
-        if device_type is None:
-            return enabled()
-        return enabled("cpu" if device_type == "meta" else device_type)
-
-    def get_autocast_dtype(device_type):
-        return dtype("cpu" if device_type == "meta" else device_type)
-
-    return [(torch, "is_autocast_enabled", is_autocast_enabled), (torch, "get_autocast_dtype", get_autocast_dtype)]
-
-
 @contextlib.contextmanager
 def fused_head_as_on_cuda(kernel: str = "triton") -> Iterator[_Scoring]:
     """TRL's fused head on meta tensors as it runs on a CUDA device (module docstring); with
@@ -435,8 +421,8 @@ def fused_head_as_on_cuda(kernel: str = "triton") -> Iterator[_Scoring]:
     `valid_tokens` the step sets. Each of TRL's names is checked before any is replaced
     (`hf_offload.integrations.upstream`): a renamed kernel would otherwise run for real on meta."""
     with contextlib.ExitStack() as stack:
-        for owner, name, value in _autocast_answers():
-            stack.enter_context(_attribute(owner, name, value))
+        # TRL asks `torch.is_autocast_enabled(device.type)`, which PyTorch refuses for "meta".
+        stack.enter_context(autocast_regions_on_meta())
         if kernel == "triton":
             use_triton, addmm_fp32 = resolve("trl.use_triton"), resolve("trl.addmm_fp32")
 
