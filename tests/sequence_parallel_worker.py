@@ -934,6 +934,141 @@ def scenario_gpu_multi_smoke() -> dict:
     return {"rows": rows, "written": os.path.exists(out) if dist.get_rank() == 0 else None}
 
 
+# --- a rank's own rows under register_ulysses (issue 48) ---------------------------------------
+
+
+def own_prompts() -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's 2 prompts (6 and 4 tokens), left-padded as generate wants them."""
+    generator = torch.Generator().manual_seed(500 + dist.get_rank())
+    ids = torch.randint(1, VOCAB, (2, 6), generator=generator)
+    mask = torch.ones_like(ids)
+    ids[1, :2], mask[1, :2] = 0, 0
+    return ids, mask
+
+
+def generations(model: torch.nn.Module) -> dict:
+    """Greedy tokens of this rank's prompts: with and without a KV cache, in training and eval mode."""
+    ids, mask = own_prompts()
+    out = {}
+    for mode in ("train", "eval"):
+        model.train(mode == "train")
+        for cache in (True, False):
+            with torch.no_grad():
+                tokens = model.generate(
+                    input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, use_cache=cache,
+                    pad_token_id=0,
+                )
+            out[f"{mode}_{'cache' if cache else 'no_cache'}"] = tokens[:, ids.shape[1]:].tolist()
+    model.train()
+    return out
+
+
+def preference_step(model: torch.nn.Module) -> tuple[float, float, dict]:
+    """A DPO-like step on this rank's own rows (each rank its own pairs, as TRL's trainers give them):
+    chosen and rejected rows in one batch, the rejected ones right-padded, the per-sequence sums of
+    token log-probabilities, DPO's sigmoid loss against a zero reference margin. Returns the loss, the
+    eval-mode loss of the rows under no_grad (what evaluate() computes), and the gradients."""
+    generator = torch.Generator().manual_seed(700 + dist.get_rank())
+    ids = torch.randint(1, VOCAB, (4, 12), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[2:, 9:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    model.zero_grad(set_to_none=True)
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
+    targets = labels[:, 1:]
+    logprobs = torch.log_softmax(logits.double(), -1).gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    sums = (logprobs * (targets != -100)).sum(-1)
+    loss = -torch.nn.functional.logsigmoid(0.1 * (sums[:2] - sums[2:])).mean()
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    model.eval()
+    with torch.no_grad():
+        eval_loss = float(model(input_ids=ids, attention_mask=mask, labels=labels).loss)
+    model.train()
+    return float(loss.detach()), eval_loss, grads
+
+
+def own_rows_checks(model: torch.nn.Module) -> dict:
+    loss, eval_loss, grads = preference_step(model)
+    return {"generations": generations(model), "loss": loss, "eval_loss": eval_loss, "grads": grads}
+
+
+def compare_own_rows(expected: dict, actual: dict) -> dict:
+    worst = max(
+        float((actual["grads"][n] - g).norm() / g.norm().clamp(min=1e-30)) for n, g in expected["grads"].items()
+    )
+    return {
+        "same_tokens": {key: actual["generations"][key] == value for key, value in expected["generations"].items()},
+        "loss_rel": abs(actual["loss"] - expected["loss"]) / abs(expected["loss"]),
+        "eval_loss_rel": abs(actual["eval_loss"] - expected["eval_loss"]) / abs(expected["eval_loss"]),
+        "grad_rel": worst,
+    }
+
+
+def scenario_own_rows() -> dict:
+    """register_ulysses, then what is not one sequence split across the group: each rank's own rows,
+    whole. For checkpointing off, reentrant and non-reentrant (tiling on): greedy generate with and
+    without a KV cache in training and eval mode, a DPO-like step's loss and gradients and the rows'
+    eval loss under no_grad, each against the same model before registering (one process). Then the
+    adapted batches trained between them (a generate with a cache after each shard's forward, before
+    its backward: the recompute must exchange again) against one process on the whole sequences.
+    Companions: the exchange forced on for the own rows; the recompute's decision forgotten."""
+    results = {}
+    for mode in ("none", "reentrant", "non_reentrant"):
+        model = heads_model(4, mode)
+        expected = own_rows_checks(model)
+        sp.register_ulysses(model, SP, micro_batch_size=ROWS)
+        try:
+            results[mode] = compare_own_rows(expected, own_rows_checks(model))
+        finally:
+            sp.unregister_ulysses()
+    # Companion: every attention call through the exchange, as before the gate.
+    model = heads_model(4)
+    expected = own_rows_checks(model)
+    sp.register_ulysses(model, SP, micro_batch_size=4)  # the preference step's rows: DeepSpeed's shapes
+    original = sp.through_exchange
+    sp.through_exchange = lambda query, key, kwargs: True
+    try:
+        loss, eval_loss, grads = preference_step(model)
+    finally:
+        sp.through_exchange = original
+        sp.unregister_ulysses()
+    results["forced_exchange"] = compare_own_rows(expected, {**expected, "loss": loss, "eval_loss": eval_loss,
+                                                             "grads": grads})
+    results["interleaved"] = interleaved("non_reentrant")
+    results["interleaved_reentrant"] = interleaved("reentrant")
+    original = sp._decided
+    # Reentrant: torch checks nothing (non-reentrant checkpointing's own check refuses a recompute that
+    # saves other tensors than its forward).
+    sp._decided = lambda positions: None  # the recompute finds no decision: it attends locally
+    try:
+        results["recompute_forgotten"] = interleaved("reentrant")
+    finally:
+        sp._decided = original
+    return results
+
+
+def interleaved(mode: str) -> dict:
+    """Adapted training, a cached generate on this rank's prompts between each shard's forward and
+    its backward; against one process on the whole sequences."""
+    ref = reference(lambda: heads_model(8, mode))
+    model = heads_model(8, mode)
+    ulysses = sp.register_ulysses(model, SP, micro_batch_size=ROWS)
+    ids, mask = own_prompts()
+
+    def step(loss):
+        with torch.no_grad():
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0)
+        model.train()
+        loss.backward()
+
+    try:
+        return differences(ref, sp_train(model, model, ulysses, step_fn=step))
+    finally:
+        sp.unregister_ulysses()
+
+
 SCENARIOS = {
     "loop": scenario_loop,
     "loop_float32": lambda: scenario_loop(torch.float32),
@@ -961,6 +1096,7 @@ SCENARIOS = {
     "head_chunks_wrong_key_values": scenario_head_chunks_wrong_key_values,
     "docs_recipes": scenario_docs_recipes,
     "gpu_multi_smoke": scenario_gpu_multi_smoke,
+    "own_rows": scenario_own_rows,
 }
 
 

@@ -419,3 +419,49 @@ def test_a_model_without_a_transformers_config_is_refused():
 
     with pytest.raises(TypeError, match=r"transformers model"):
         sp.check_sequence_parallel(torch.nn.Linear(2, 2), 2)
+
+
+# --- what is not one sequence split across the group (issue 48) ---------------------------------
+OWN_ROWS_MODES = ("none", "reentrant", "non_reentrant")
+
+
+@pytest.mark.parametrize("mode", OWN_ROWS_MODES)
+def test_a_ranks_own_rows_run_as_one_process_under_register_ulysses(runs, mode):
+    """After register_ulysses, a rank's own rows, whole (generate, evaluation, TRL's preference and
+    online trainers' batches) attend locally: greedy generate with and without a KV cache, in training
+    and eval mode, gives one process's tokens (never DeepSpeed's shape assertion); a DPO-like step on
+    each rank's own pairs (right-padded rejected rows) gives one process's loss and gradients, and the
+    rows' eval loss under no_grad (what evaluate() computes) one process's, with checkpointing as named
+    (tiling over heads on)."""
+    for rank, ranks in enumerate(runs["own_rows"]):
+        assert "error" not in ranks, ranks.get("traceback")
+        result = ranks[mode]
+        assert all(result["same_tokens"].values()), f"rank {rank}: {result['same_tokens']}"
+        assert result["loss_rel"] == 0.0 and result["eval_loss_rel"] == 0.0 and result["grad_rel"] == 0.0, result
+
+
+def test_a_rank_scoring_another_ranks_rows_is_caught(runs):
+    """Companion: the exchange forced on for the own rows (as before the gate) makes the ranks'
+    different rows halves of one sequence: the comparison above sees the gradients move on every
+    rank and rank 1's loss."""
+    ranks = runs["own_rows"]
+    assert all(result["forced_exchange"]["grad_rel"] > 0.1 for result in ranks)
+    assert ranks[1]["forced_exchange"]["loss_rel"] > 1e-4 and ranks[1]["forced_exchange"]["eval_loss_rel"] > 1e-4
+
+
+@pytest.mark.parametrize("scenario", ["interleaved", "interleaved_reentrant"])
+def test_shards_still_go_through_the_exchange_between_own_forwards(runs, scenario):
+    """Adapted training with a cached generate on each rank's own prompts between every shard's
+    forward and its backward (one key/value head: DeepSpeed repeats it and sets the module's
+    grouped-query ratio for its heads): the checkpoint's recompute exchanges again, and the losses
+    and gradients are one process's on the whole sequences."""
+    ranks = [result[scenario] for result in runs["own_rows"]]
+    assert_matches_one_process(ranks, FLOAT64_GRAD)
+
+
+def test_a_recompute_that_forgets_its_forwards_decision_is_caught(runs):
+    """Companion: a reentrant checkpoint's recompute not finding its forward's decision attends
+    locally, and the gradients are no longer one process's (non-reentrant checkpointing refuses it
+    itself: the recompute saves other tensors)."""
+    for result in runs["own_rows"]:
+        assert result["recompute_forgotten"]["grad_rel"] > 0.1

@@ -406,6 +406,7 @@ def sequence_parallel_loss(
         num_items_in_batch = (labels != IGNORE_INDEX).sum()
         torch.distributed.all_reduce(num_items_in_batch, group=group)
     inputs = {key: value for key, value in batch.items() if key not in ("labels", "shift_labels")}
+    declare_shard(inputs)  # the batch is this rank's shard, whatever model runs it
     output = model(**inputs, labels=labels, shift_labels=labels, num_items_in_batch=num_items_in_batch)
     loss = output.loss if hasattr(output, "loss") else output["loss"]
     if loss is None:
@@ -579,10 +580,13 @@ class _OnDevice:
 
     def __iter__(self) -> Iterator[dict]:
         for batch in self.adapter:
-            yield {
+            batch = {
                 key: value.to(self.device).contiguous() if torch.is_tensor(value) else value
                 for key, value in batch.items()
             }
+            arm_shard(batch)
+            yield batch
+        disarm_shard()  # the pass is over: no later forward is a shard of it
 
 
 def register_ulysses(model: nn.Module, sp_size: int, micro_batch_size: int = 1) -> Ulysses:
@@ -645,6 +649,7 @@ def register_ulysses(model: nn.Module, sp_size: int, micro_batch_size: int = 1) 
         pad_token_id=_pad_token_id(config),
     )
     _REGISTERED.update(implementation=implementation, local=local, ulysses=ulysses)
+    _REGISTERED["hooks"] = _gate_exchange(model, implementation, local)
     return ulysses
 
 
@@ -665,6 +670,7 @@ def adopt_ulysses(implementation: str) -> None:
     if ULYSSES_MODULE not in sys.modules:
         return
     wrapper = resolve("transformers.local_attention_functions").get(implementation)
+    wrapper = getattr(wrapper, "_hf_offload_exchange", wrapper)  # register_ulysses's gate: DeepSpeed's behind it
     if wrapper is None or getattr(wrapper, "_hf_offload_adopted", False):
         return
     wrapper._hf_offload_adopted = True  # looked at once per registration
@@ -807,8 +813,174 @@ def unregister_ulysses() -> None:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     _restore_local(ALL_ATTENTION_FUNCTIONS, _REGISTERED["implementation"], _REGISTERED["local"])
+    for handle in _REGISTERED.get("hooks", ()):
+        handle.remove()
+    disarm_shard()
     resolve("deepspeed.release_groups")()
     _REGISTERED.clear()
+
+
+# --- Which forwards run through the exchange (register_ulysses) ----------------------------------
+# Ulysses' exchange treats the SP ranks' inputs as the pieces of one sequence. Under register_ulysses
+# it runs only for a forward fed the batch `Ulysses.adapt` yielded last on this rank (its input_ids
+# and position_ids, by value: moved to another device or copied, still the batch), without a KV
+# cache, or the batch `sequence_parallel_loss` is given; every other forward (generate, evaluation
+# on a rank's own rows, TRL's trainers, which give each rank rows of its own) attends locally, with
+# its own attention mask, as one process would on those rows. The decision is made once per forward,
+# at the model's backbone, and kept with the forward's position_ids tensor, so that a checkpoint's
+# recompute in backward makes the forward's decision again.
+_SHARD: dict = {}  # "input_ids", "position_ids": the batch adapt yielded last on this rank
+# The decision of the forward whose backbone was entered last, until its first attention call:
+# (decision, the position_ids it was given or None).
+_PENDING: list = []
+# position_ids' storage -> (a weak reference to the tensor, the decision of the forward it fed)
+_DECIDED: dict = {}
+
+
+def arm_shard(batch: dict) -> None:
+    """`batch` (one `Ulysses.adapt` yielded) is this rank's shard of a sequence split across the group."""
+    _SHARD.clear()
+    _SHARD.update(input_ids=batch.get("input_ids"), position_ids=batch.get("position_ids"))
+
+
+def disarm_shard() -> None:
+    _SHARD.clear()
+    _PENDING.clear()
+
+
+def declare_shard(inputs: dict) -> None:
+    """The forward about to run on `inputs` is a shard (sequence_parallel_loss's contract), whatever
+    model runs it; arms it for the model's backbone too."""
+    if not _REGISTERED:
+        return
+    arm_shard(inputs)
+    _PENDING[:] = [(True, inputs.get("position_ids"))]
+
+
+def _is_shard(input_ids, position_ids, cache) -> bool:
+    """Whether a forward given these inputs is the shard armed on this rank."""
+    armed_ids, armed_positions = _SHARD.get("input_ids"), _SHARD.get("position_ids")
+    if cache is not None or not torch.is_tensor(input_ids) or not torch.is_tensor(position_ids):
+        return False
+    if not torch.is_tensor(armed_ids) or not torch.is_tensor(armed_positions):
+        return False
+    if input_ids.shape != armed_ids.shape or position_ids.shape[-1] != armed_positions.shape[-1]:
+        return False
+    return bool(
+        torch.equal(input_ids, armed_ids.to(input_ids.device))
+        and torch.equal(position_ids.expand_as(armed_positions), armed_positions.to(position_ids.device))
+    )
+
+
+def _backbone_of(model: object) -> nn.Module | None:
+    """The module every forward of `model` enters with its input_ids (the decoder stack: generate, the
+    Trainer and TRL's fused head, which calls it directly), through DDP, engines and PEFT."""
+    seen = 0
+    while isinstance(getattr(model, "module", None), nn.Module) and seen < 8:
+        model, seen = model.module, seen + 1
+    if callable(getattr(type(model), "get_base_model", None)):  # PEFT
+        model = model.get_base_model()
+    get_decoder = getattr(model, "get_decoder", None)
+    if callable(get_decoder):
+        with contextlib.suppress(Exception):
+            decoder = get_decoder()
+            if isinstance(decoder, nn.Module):
+                return decoder
+    return model if isinstance(model, nn.Module) else None
+
+
+def _mark_forward(signature, module, args, kwargs) -> None:
+    """The backbone's forward pre-hook: decide whether this forward is the armed shard."""
+    try:
+        bound = signature.bind_partial(*args, **kwargs).arguments
+    except TypeError:
+        bound = kwargs
+    positions = bound.get("position_ids")
+    if _PENDING and _PENDING[0][0] and _PENDING[0][1] is positions:
+        return  # sequence_parallel_loss declared this forward a shard
+    decision = _is_shard(bound.get("input_ids"), positions, bound.get("past_key_values"))
+    _PENDING[:] = [(decision, positions if torch.is_tensor(positions) else None)]
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple:
+    return (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+
+
+def _decided(positions) -> bool | None:
+    if not torch.is_tensor(positions):
+        return None
+    entry = _DECIDED.get(_storage_key(positions))
+    if entry is None or entry[0]() is None:
+        return None
+    return entry[1]
+
+
+def _decide(positions, decision: bool) -> None:
+    if not torch.is_tensor(positions):
+        return
+    for key in [key for key, (ref, _) in _DECIDED.items() if ref() is None]:
+        del _DECIDED[key]
+    _DECIDED[_storage_key(positions)] = (weakref.ref(positions), decision)
+
+
+def through_exchange(query: torch.Tensor, key: torch.Tensor, kwargs: dict) -> bool:
+    """Whether this attention call runs through Ulysses' exchange: the forward's decision, taken at
+    its first attention call from what its backbone was given, and found again by its position_ids
+    for the next layers and for a checkpoint's recompute."""
+    positions = kwargs.get("position_ids")
+    pending = _PENDING[0] if _PENDING else None
+    known = _decided(positions)
+    if pending is not None and (pending[1] is positions or known is None):  # a new forward, not a recompute
+        _PENDING.clear()
+        decision = pending[0]
+        _decide(positions, decision)
+    else:
+        decision = bool(known)
+    if decision and (not torch.is_tensor(positions) or key.shape[-2] != query.shape[-2]):
+        raise ValueError(
+            "Ulysses: a forward fed the shard Ulysses.adapt yielded reached attention without its position_ids, or "
+            f"with keys of another length than its queries ({key.shape[-2]} against {query.shape[-2]}: a KV cache): "
+            "a shard runs whole, with the position_ids adapt gives"
+        )
+    return decision
+
+
+def _gate_exchange(model: object, implementation: str, local) -> list:
+    """Put the gate in front of DeepSpeed's registered function: a shard goes through the exchange,
+    every other forward to the attention Ulysses wraps, with its mask (DeepSpeed's function drops it)
+    and the module's grouped-query ratio as the call's own heads give it (DeepSpeed's forward sets
+    `num_key_value_groups` for the exchanged heads where key/value heads are repeated). Returns the
+    hook handles to remove."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from hf_offload.tiling.attention import key_value_groups
+
+    exchange = _local_mapping(ALL_ATTENTION_FUNCTIONS).get(implementation)
+    core = _attention_as_registered(implementation, local)
+
+    def attention(module, query, key, value, attention_mask, *args, **kwargs):
+        if through_exchange(query, key, kwargs):
+            return exchange(module, query, key, value, attention_mask, *args, **kwargs)
+        with key_value_groups(module, max(query.shape[1] // max(key.shape[1], 1), 1)):
+            return core(module, query, key, value, attention_mask, *args, **kwargs)
+
+    attention._hf_offload_exchange = exchange
+    attention.__name__ = f"{implementation}_ulysses_gate"
+    ALL_ATTENTION_FUNCTIONS[implementation] = attention
+    disarm_shard()
+    _DECIDED.clear()
+    backbone = _backbone_of(model)
+    if backbone is None:
+        return []
+    import functools
+    import inspect
+
+    try:
+        signature = inspect.signature(backbone.forward)
+    except (TypeError, ValueError):
+        signature = inspect.Signature()
+    hook = functools.partial(_mark_forward, signature)
+    return [backbone.register_forward_pre_hook(hook, with_kwargs=True)]
 
 
 __all__ = [
