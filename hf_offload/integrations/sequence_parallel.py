@@ -680,11 +680,17 @@ def adopt_ulysses(implementation: str) -> None:
         announce("deepspeed.ulysses_attention")
         return
     instance = _ulysses_of(wrapper, resolve("deepspeed.ulysses_attention"))
-    if instance is None:  # DeepSpeed's wrapper, holding its attention some other way
+    if instance is None or not all(hasattr(instance, name) for name in _ULYSSES_ATTRIBUTES):
+        # DeepSpeed's wrapper holding its attention some other way, or a release that renamed what the
+        # chunked forward reads: DeepSpeed's own forward runs.
         announce("deepspeed.ulysses_attention")
         return
     instance.forward = types.MethodType(_forward_in_head_chunks, instance)
     _ADOPTED[instance] = weakref.ref(wrapper)
+
+
+# What `_forward_in_head_chunks` reads of DeepSpeed's UlyssesSPAttentionHF instance.
+_ULYSSES_ATTRIBUTES = ("world_size", "process_group", "attn")
 
 
 def _ulysses_of(wrapper, kind: type):
