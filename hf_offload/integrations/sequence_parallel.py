@@ -12,10 +12,12 @@ What this module adds to DeepSpeed's pieces, for a custom loop:
 
 - `register_ulysses(model, sp_size)` checks the model and the process group first (attention
   heads divisible by `sp_size`, an attention implementation Ulysses can wrap, the world size),
-  then registers Ulysses. DeepSpeed replaces the attention function process-wide and keeps its SP
-  group in a module global; registering again (another model, another batch size) replaces the
-  earlier registration instead of wrapping Ulysses in Ulysses, and `unregister_ulysses()` puts
-  the attention function back.
+  then registers Ulysses, with only shards (what `adapt` yields, what `sequence_parallel_loss` is
+  given) going through its exchange: every other forward attends locally, each rank on its rows.
+  DeepSpeed replaces the attention function process-wide and keeps its SP group in a module
+  global; registering again (another model, another batch size) replaces the earlier
+  registration instead of wrapping Ulysses in Ulysses, and `unregister_ulysses()` puts the
+  attention function back.
 - `Ulysses.adapt(loader)` wraps DeepSpeed's `UlyssesSPDataLoaderAdapter`: a batch without
   `position_ids` gets the ones transformers would use on one process, a sequence not divisible
   by `sp_size` is padded at its end (labels ignored, so nothing changes), and batches Ulysses
@@ -595,6 +597,11 @@ def register_ulysses(model: nn.Module, sp_size: int, micro_batch_size: int = 1) 
     every model using that implementation runs it across the SP group. Call it on every rank,
     after `torch.distributed.init_process_group` (or `deepspeed.init_distributed`), before wrapping
     the model. Registering again replaces the earlier registration.
+
+    Only a shard goes through Ulysses' exchange: a forward fed the batch `Ulysses.adapt` yielded
+    last on this rank, or the batch `sequence_parallel_loss` is given. Every other forward (generate,
+    evaluation, TRL's trainers: a rank's own rows, whole) attends locally with its own mask, as one
+    process does (docs/sequence_parallel.md, "What goes through the exchange").
 
     Ulysses calls transformers' attention function as it is at each call, not as it was at
     registration: sequence tiling enabled afterwards still tiles the heads inside it."""
