@@ -1069,6 +1069,84 @@ def interleaved(mode: str) -> dict:
         sp.unregister_ulysses()
 
 
+def scenario_dpo_trainer() -> dict:
+    """TRL's DPOTrainer after register_ulysses, as a user would combine them: DDP, every rank its own
+    pair (all sequences 9 tokens), one SGD step. Against TRL's own compute_loss replayed on each rank
+    at the starting weights with Ulysses unregistered, on the inputs that rank scored, the gradients
+    averaged over the ranks: the rank's loss, and every gradient the optimizer steps with. Companion: the
+    exchange forced on for the trainer's forwards (each rank's rows then score another rank's)."""
+    from conftest import quiet_training_args
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+
+    def words(generator, count):
+        return " ".join(str(int(i)) for i in torch.randint(2, VOCAB, (count,), generator=generator))
+
+    generator = torch.Generator().manual_seed(900)
+    # A completion starts with a space: its first word is a token of its own, not merged with the prompt's last.
+    rows = [{"prompt": words(generator, 4), "chosen": " " + words(generator, 4), "rejected": " " + words(generator, 4)}
+            for _ in range(2)]  # fmt: skip
+
+    def run(forced: bool, out: str) -> dict:
+        restore_attention()
+        model = tiny_model("llama", seed=0, use_cache=False)
+        reference_model = tiny_model("llama", seed=0, use_cache=False)
+        start = {n: p.detach().clone() for n, p in model.named_parameters()}
+        args = DPOConfig(**quiet_training_args(out, max_steps=1, per_device_train_batch_size=1, learning_rate=LR,
+                                               lr_scheduler_type="constant", max_grad_norm=0.0, weight_decay=0.0,
+                                               optim="sgd"), bf16=False)  # fmt: skip
+        scored = []
+
+        class Recording(DPOTrainer):
+            def compute_loss(self, model, inputs, *rest, **kwargs):
+                loss = super().compute_loss(model, inputs, *rest, **kwargs)
+                if model.training:
+                    scored.append(({k: v.detach().clone() if torch.is_tensor(v) else v for k, v in inputs.items()},
+                                   float(loss.detach())))  # fmt: skip
+                return loss
+
+        from transformers import TrainerCallback
+
+        stepped = {}
+
+        class Gradients(TrainerCallback):  # the gradients the optimizer steps with (averaged over the ranks by DDP)
+            def on_pre_optimizer_step(self, args, state, control, **kwargs):
+                stepped.update({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
+
+        trainer = Recording(model=model, ref_model=reference_model, args=args, train_dataset=Dataset.from_list(rows),
+                            processing_class=token_ids_tokenizer(), callbacks=[Gradients()])  # fmt: skip
+        sp.register_ulysses(model, SP, micro_batch_size=2)  # chosen and rejected: 2 rows
+        original = sp.through_exchange
+        if forced:
+            sp.through_exchange = lambda query, key, kwargs: True
+        try:
+            trainer.train()
+        finally:
+            sp.through_exchange = original
+            sp.unregister_ulysses()
+        # The replay: TRL's compute_loss on this rank's inputs at the starting weights, one process's attention.
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                param.copy_(start[name])
+        model.zero_grad(set_to_none=True)
+        (inputs, loss), = scored
+        replayed = trainer.compute_loss(model, inputs)
+        replayed.backward()
+        worst = 0.0
+        for name, param in model.named_parameters():
+            expected = param.grad.clone()
+            dist.all_reduce(expected)
+            expected /= dist.get_world_size()
+            worst = max(worst, float((stepped[name] - expected).norm() / expected.norm().clamp(min=1e-30)))
+        return {"loss": loss, "replayed_loss": float(replayed.detach()),
+                "loss_rel": abs(loss - float(replayed.detach())) / abs(float(replayed.detach())), "grad_rel": worst,
+                "rows": inputs["input_ids"].shape[0] if "input_ids" in inputs else None}  # fmt: skip
+
+    out = os.path.dirname(OUT)
+    plain = run(False, os.path.join(out, "dpo"))
+    return {"plain": plain, "forced_exchange": run(True, os.path.join(out, "dpo_forced"))}
+
+
 SCENARIOS = {
     "loop": scenario_loop,
     "loop_float32": lambda: scenario_loop(torch.float32),
@@ -1097,6 +1175,7 @@ SCENARIOS = {
     "docs_recipes": scenario_docs_recipes,
     "gpu_multi_smoke": scenario_gpu_multi_smoke,
     "own_rows": scenario_own_rows,
+    "dpo_trainer": scenario_dpo_trainer,
 }
 
 

@@ -465,3 +465,16 @@ def test_a_recompute_that_forgets_its_forwards_decision_is_caught(runs):
     itself: the recompute saves other tensors)."""
     for result in runs["own_rows"]:
         assert result["recompute_forgotten"]["grad_rel"] > 0.1
+
+
+def test_trls_dpo_trainer_after_register_ulysses_trains_each_ranks_own_pairs_as_one_process(runs):
+    """TRL's DPOTrainer combined with register_ulysses (DDP, every rank its own pair, one SGD step):
+    each rank's loss is TRL's own compute_loss replayed on one process at the starting weights on the
+    inputs that rank scored, and the gradients the optimizer steps with are the replays' averaged over
+    the ranks, exactly. Companion: with the exchange forced on (as before the gate) every gradient
+    moves; the loss does not (log 2 at step 0, the policy equal to its reference), as the issue saw."""
+    for result in runs["dpo_trainer"]:
+        assert "error" not in result, result.get("traceback")
+        plain, forced = result["plain"], result["forced_exchange"]
+        assert plain["rows"] == 2 and plain["loss_rel"] == 0.0 and plain["grad_rel"] == 0.0, plain
+        assert forced["grad_rel"] > 0.1, forced
