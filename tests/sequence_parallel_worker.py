@@ -1088,7 +1088,12 @@ def scenario_dpo_trainer() -> dict:
             for _ in range(2)]  # fmt: skip
 
     def run(forced: bool, out: str) -> dict:
+        from accelerate.state import AcceleratorState, GradientState, PartialState
+
         restore_attention()
+        AcceleratorState._reset_state(True)  # the earlier scenarios' DeepSpeed plugin and SP settings
+        GradientState._reset_state()
+        PartialState._reset_state()
         model = tiny_model("llama", seed=0, use_cache=False)
         reference_model = tiny_model("llama", seed=0, use_cache=False)
         start = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -1143,8 +1148,14 @@ def scenario_dpo_trainer() -> dict:
                 "rows": inputs["input_ids"].shape[0] if "input_ids" in inputs else None}  # fmt: skip
 
     out = os.path.dirname(OUT)
-    plain = run(False, os.path.join(out, "dpo"))
-    return {"plain": plain, "forced_exchange": run(True, os.path.join(out, "dpo_forced"))}
+    # accelerate leaves ACCELERATE_USE_DEEPSPEED=true behind once given a DeepSpeed plugin (the earlier scenarios).
+    deepspeed_env = os.environ.pop("ACCELERATE_USE_DEEPSPEED", None)
+    try:
+        plain = run(False, os.path.join(out, "dpo"))
+        return {"plain": plain, "forced_exchange": run(True, os.path.join(out, "dpo_forced"))}
+    finally:
+        if deepspeed_env is not None:
+            os.environ["ACCELERATE_USE_DEEPSPEED"] = deepspeed_env
 
 
 SCENARIOS = {

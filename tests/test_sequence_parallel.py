@@ -478,3 +478,23 @@ def test_trls_dpo_trainer_after_register_ulysses_trains_each_ranks_own_pairs_as_
         plain, forced = result["plain"], result["forced_exchange"]
         assert plain["rows"] == 2 and plain["loss_rel"] == 0.0 and plain["grad_rel"] == 0.0, plain
         assert forced["grad_rel"] > 0.1, forced
+
+
+def test_a_kv_cache_reaching_accelerates_ulysses_exchange_is_refused_by_name():
+    """Under accelerate's or the Trainer's Ulysses (attention tiled over heads, so that our forward runs
+    in DeepSpeed's place), a decoding step of generate in training mode (keys longer than queries)
+    is refused naming generate and what to do, not DeepSpeed's bare shape assertion; in eval mode with
+    disable_in_eval, and for calls whose keys are the queries' length, nothing is refused."""
+    import types
+
+    import torch
+
+    module = torch.nn.Linear(1, 1)
+    ulysses = types.SimpleNamespace(disable_in_eval=True)
+    query, cached, whole = torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 7, 4), torch.zeros(1, 2, 1, 4)
+    with pytest.raises(ValueError, match=r"KV cache .*generate.*model\.eval\(\) before generate"):
+        sp._check_no_kv_cache(ulysses, module.train(), query, cached)
+    sp._check_no_kv_cache(ulysses, module.eval(), query, cached)
+    sp._check_no_kv_cache(ulysses, module.train(), query, whole)
+    with pytest.raises(ValueError, match="KV cache"):
+        sp._check_no_kv_cache(types.SimpleNamespace(disable_in_eval=False), module.eval(), query, cached)

@@ -733,6 +733,7 @@ def _forward_in_head_chunks(self, module: nn.Module, query, key, value, attentio
     from hf_offload.tiling.ulysses_heads import attention_in_head_chunks, chunk_plan
 
     _check_not_context_parallel()  # one call of each would shard the shard
+    _check_no_kv_cache(self, module, query, key)
     plan = None
     if not args and attention_mask is None:
         plan = chunk_plan(module, query, key, self.world_size, kwargs)
@@ -751,6 +752,22 @@ def _forward_in_head_chunks(self, module: nn.Module, query, key, value, attentio
     return attention_in_head_chunks(
         module, query, key, value, None, plan=plan, exchange=deepspeed_exchange(self.process_group), core=self.attn,
         **kwargs,
+    )
+
+
+def _check_no_kv_cache(ulysses, module: nn.Module, query: torch.Tensor, key: torch.Tensor) -> None:
+    """A call whose keys are longer than its queries reads a KV cache (generate's decoding): it is a
+    rank's own rows, never a shard, and DeepSpeed's exchange would stop on its bare shape assertion.
+    Under accelerate's or the Trainer's registration (register_ulysses never lets it through), refuse
+    by name where DeepSpeed would run its exchange: in training mode, or without disable_in_eval."""
+    if key.shape[-2] == query.shape[-2] or (not module.training and getattr(ulysses, "disable_in_eval", False)):
+        return
+    raise ValueError(
+        f"a forward with a KV cache ({query.shape[-2]} new tokens against {key.shape[-2]} keys: generate's "
+        "decoding) reached DeepSpeed's Ulysses exchange, which would treat the ranks' different rows as one sequence "
+        "split across them. With accelerate's or the Trainer's Ulysses (ParallelismConfig(sp_backend='deepspeed')), "
+        "call model.eval() before generate (they register Ulysses with disable_in_eval=True); with register_ulysses, "
+        "generate attends locally on its own"
     )
 
 
