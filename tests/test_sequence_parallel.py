@@ -498,3 +498,22 @@ def test_a_kv_cache_reaching_accelerates_ulysses_exchange_is_refused_by_name():
     sp._check_no_kv_cache(ulysses, module.train(), query, whole)
     with pytest.raises(ValueError, match="KV cache"):
         sp._check_no_kv_cache(types.SimpleNamespace(disable_in_eval=False), module.eval(), query, cached)
+
+
+def test_a_shard_is_recognised_by_value_not_by_the_tensor_object(monkeypatch):
+    """The rule's signal (docs/sequence_parallel.md): a forward is the shard adapt yielded when its
+    input_ids and position_ids equal that batch's, so a copy (the Trainer moving the batch to a GPU
+    makes a new tensor) still counts; a forward with a KV cache, other tokens, other positions or no
+    position_ids is a rank's own rows; once adapt's pass ends, nothing is a shard."""
+    import torch
+
+    monkeypatch.setattr(sp, "_SHARD", {})
+    ids, positions = torch.arange(8).view(2, 4), torch.arange(4, 8).repeat(2, 1)
+    sp.arm_shard({"input_ids": ids, "position_ids": positions, "shift_labels": ids})
+    assert sp._is_shard(ids.clone(), positions.clone(), None)
+    assert not sp._is_shard(ids, positions, object())  # generate's cache
+    assert not sp._is_shard(ids + 1, positions, None)
+    assert not sp._is_shard(ids, positions - 4, None)  # the same tokens as a rank's own whole rows
+    assert not sp._is_shard(ids, None, None)
+    sp.disarm_shard()
+    assert not sp._is_shard(ids, positions, None)

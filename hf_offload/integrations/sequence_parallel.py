@@ -894,11 +894,11 @@ def _is_shard(input_ids, position_ids, cache) -> bool:
         return False
     if not torch.is_tensor(armed_ids) or not torch.is_tensor(armed_positions):
         return False
-    if input_ids.shape != armed_ids.shape or position_ids.shape[-1] != armed_positions.shape[-1]:
+    if input_ids.shape != armed_ids.shape or position_ids.shape != armed_positions.shape:
         return False
     return bool(
         torch.equal(input_ids, armed_ids.to(input_ids.device))
-        and torch.equal(position_ids.expand_as(armed_positions), armed_positions.to(position_ids.device))
+        and torch.equal(position_ids, armed_positions.to(position_ids.device))
     )
 
 
