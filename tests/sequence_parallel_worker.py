@@ -1158,6 +1158,93 @@ def scenario_dpo_trainer() -> dict:
             os.environ["ACCELERATE_USE_DEEPSPEED"] = deepspeed_env
 
 
+def scenario_grpo_trainer() -> dict:
+    """TRL's GRPOTrainer after register_ulysses (DDP, every rank its own prompt, 2 sampled generations of
+    4 tokens each through transformers' generate, one SGD step): each rank's loss and the gradients the optimizer
+    steps with against TRL's own compute_loss replayed on one process at the starting weights on the
+    inputs that rank scored (its completions, advantages and old log-probabilities). Companion: the
+    exchange forced on for grad-enabled forwards (the loss forward, as before the gate)."""
+    from conftest import quiet_training_args
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    generator = torch.Generator().manual_seed(950)
+    prompts = [" ".join(str(int(i)) for i in torch.randint(20, VOCAB, (4,), generator=generator)) for _ in range(2)]
+
+    def reward(completions, **kwargs):
+        return [float(sum(int(word) for word in text.split() if word.isdigit())) for text in completions]
+
+    def run(forced: bool, out: str) -> dict:
+        from accelerate.state import AcceleratorState, GradientState, PartialState
+
+        restore_attention()
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        PartialState._reset_state()
+        model = tiny_model("llama", seed=0, use_cache=False)
+        start = {n: p.detach().clone() for n, p in model.named_parameters()}
+        args = GRPOConfig(**quiet_training_args(out, max_steps=1, per_device_train_batch_size=2, learning_rate=LR,
+                                                lr_scheduler_type="constant", max_grad_norm=0.0, weight_decay=0.0,
+                                                optim="sgd"),
+                          bf16=False, num_generations=2, max_completion_length=4,
+                          generation_kwargs={"min_new_tokens": 4})  # fmt: skip
+        scored, stepped = [], {}
+
+        class Gradients(TrainerCallback):
+            def on_pre_optimizer_step(self, args, state, control, **kwargs):
+                stepped.update({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
+
+        class Recording(GRPOTrainer):
+            def compute_loss(self, model, inputs, *rest, **kwargs):
+                loss = super().compute_loss(model, inputs, *rest, **kwargs)
+                if model.training and torch.is_grad_enabled():
+                    scored.append(({k: v.detach().clone() if torch.is_tensor(v) else v for k, v in inputs.items()},
+                                   float(loss.detach())))  # fmt: skip
+                return loss
+
+        trainer = Recording(model=model, reward_funcs=reward, args=args,
+                            train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]),
+                            processing_class=token_ids_tokenizer(), callbacks=[Gradients()])  # fmt: skip
+        sp.register_ulysses(model, SP, micro_batch_size=2)
+        original = sp.through_exchange
+        if forced:
+            sp.through_exchange = lambda query, key, kwargs: torch.is_grad_enabled()
+        try:
+            trainer.train()
+        finally:
+            sp.through_exchange = original
+            sp.unregister_ulysses()
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                param.copy_(start[name])
+        model.zero_grad(set_to_none=True)
+        (inputs, loss), = scored
+        replayed = trainer.compute_loss(model, inputs)
+        replayed.backward()
+        worst = 0.0
+        for name, param in model.named_parameters():
+            expected = param.grad.clone()
+            dist.all_reduce(expected)
+            expected /= dist.get_world_size()
+            worst = max(worst, float((stepped[name] - expected).norm() / expected.norm().clamp(min=1e-30)))
+        replayed_loss = float(replayed.detach())
+        relative = abs(loss - replayed_loss) / max(abs(replayed_loss), 1e-30)
+        return {"loss": loss, "replayed_loss": replayed_loss, "loss_rel": relative,
+                "grad_rel": worst, "completion_ids": inputs["completion_ids"].tolist(),
+                "prompt_ids": inputs["prompt_ids"].tolist(), "advantages": inputs["advantages"].tolist(),
+                "grad_norm": float(sum(g.norm() ** 2 for g in stepped.values()) ** 0.5)}  # fmt: skip
+
+    out = os.path.dirname(OUT)
+    deepspeed_env = os.environ.pop("ACCELERATE_USE_DEEPSPEED", None)
+    try:
+        plain = run(False, os.path.join(out, "grpo"))
+        return {"plain": plain, "forced_exchange": run(True, os.path.join(out, "grpo_forced"))}
+    finally:
+        if deepspeed_env is not None:
+            os.environ["ACCELERATE_USE_DEEPSPEED"] = deepspeed_env
+
+
 SCENARIOS = {
     "loop": scenario_loop,
     "loop_float32": lambda: scenario_loop(torch.float32),
@@ -1187,6 +1274,7 @@ SCENARIOS = {
     "gpu_multi_smoke": scenario_gpu_multi_smoke,
     "own_rows": scenario_own_rows,
     "dpo_trainer": scenario_dpo_trainer,
+    "grpo_trainer": scenario_grpo_trainer,
 }
 
 

@@ -517,3 +517,18 @@ def test_a_shard_is_recognised_by_value_not_by_the_tensor_object(monkeypatch):
     assert not sp._is_shard(ids, None, None)
     sp.disarm_shard()
     assert not sp._is_shard(ids, positions, None)
+
+
+def test_trls_grpo_trainer_after_register_ulysses_trains_each_ranks_own_completions_as_one_process(runs):
+    """TRL's GRPOTrainer combined with register_ulysses (DDP, every rank its own prompt, 2 generations
+    each through transformers' generate, one SGD step): each rank's loss and the gradients the optimizer
+    steps with equal TRL's own compute_loss replayed on one process at the starting weights on the
+    completions, advantages and old log-probabilities that rank scored, averaged over the ranks.
+    Companion: the exchange forced on for the grad-enabled (loss) forward, as before the gate, moves
+    the gradients (the loss is ~0 either way: DAPO with old log-probs equal to the new, as the issue saw)."""
+    for result in runs["grpo_trainer"]:
+        assert "error" not in result, result.get("traceback")
+        plain, forced = result["plain"], result["forced_exchange"]
+        assert any(abs(a) > 0.1 for a in plain["advantages"]), plain  # a gradient to compare
+        assert plain["loss_rel"] == 0.0 and plain["grad_rel"] == 0.0, plain
+        assert forced["grad_rel"] > 0.1, forced
