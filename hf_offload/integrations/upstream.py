@@ -65,6 +65,12 @@ class Reliance:
 
 
 _SIM = "hf_offload/tools/simulator/"
+# Every file that reads or writes a config's `_attn_implementation` (tests/test_upstream.py holds the list
+# to the source).
+ATTN_IMPLEMENTATION_USERS = (
+    "hf_offload/integrations/sequence_parallel.py, tiling/__init__.py, tiling/attention.py, tools/determinism.py, "
+    "tools/simulator/step.py, tools/benchmarks/gpu_multi.py, tools/benchmarks/cpu_tiling.py"
+)
 _TRL_HEAD = "estimate --trainer (TRL's fused LM head on the meta device, as on a CUDA device)"
 _MASKS = "every simulated step (masks decided on meta as on a GPU with unpadded inputs)"
 _FOUR_BIT = "estimate --load-in-4bit (a 4-bit base quantized on the meta device)"
@@ -172,7 +178,7 @@ INVENTORY: dict[str, Reliance] = {
         "unregister_ulysses (Ulysses' attention taken off again)", ERROR),
     "transformers.attn_implementation": Reliance(
         "transformers", "transformers.configuration_utils:PreTrainedConfig._attn_implementation", "private name",
-        "hf_offload/integrations/sequence_parallel.py, tiling/__init__.py",
+        ATTN_IMPLEMENTATION_USERS,
         "sequence parallelism's check of the attention implementation; attention tiled over heads", ERROR),
     "transformers.loss_function": Reliance(
         "transformers", "transformers.modeling_utils:PreTrainedModel.loss_function (it returns _loss_function)",
@@ -240,7 +246,19 @@ INVENTORY: dict[str, Reliance] = {
         "hf_offload/integrations/sequence_parallel.py",
         "query heads a chunk at a time through Ulysses' exchange: its forward replaced on the instance the "
         "registered function holds in its closure (with world_size, process_group, attn)", FALLBACK,
-        "each rank's query heads go through the exchange at once, as DeepSpeed runs them, said once"),
+        "each rank's query heads go through the exchange at once, as DeepSpeed runs them, said once (also where "
+        "the instance lacks world_size, process_group or attn)"),
+    "deepspeed.all_to_all_counted": Reliance(
+        "deepspeed", "deepspeed.runtime.sequence_parallel.ulysses_sp:_dim_zero_all_to_all", "replaced",
+        "hf_offload/tools/benchmarks/gpu_multi.py", "the multi-GPU benchmark's count of Ulysses' all-to-alls "
+        "(calls and bytes sent)", ERROR),
+    "transformers.num_key_value_groups": Reliance(
+        "transformers", "attention functions read module.num_key_value_groups to repeat keys and values (sdpa)",
+        "behaviour", "hf_offload/tiling/attention.py (key_value_groups), integrations/sequence_parallel.py, "
+        + _SIM + "stand_ins.py", "attention over a part of the heads (head tiling, Ulysses' chunks, a rank's "
+        "own rows after DeepSpeed set the module's ratio for its exchanged heads): the ratio set for the call "
+        "and put back", HELD,
+        "tests/test_upstream.py::test_transformers_sdpa_repeats_keys_by_the_modules_num_key_value_groups"),
     "deepspeed.zero3_gradients": Reliance(
         "deepspeed", "ZeRO-3 parameters carry ds_id and reduce once ds_grad_is_ready", "behaviour",
         "hf_offload/tiling/gradients.py", "tiled modules under ZeRO-3", HELD,
