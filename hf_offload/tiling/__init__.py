@@ -32,6 +32,7 @@ from ..adapters import (
     unwrap_model,
 )
 from ..config import TilingOptions, reject_positional
+from ..integrations import sequence_parallel
 from ..integrations.kernels import check_kernel_funcs
 from ..integrations.liger import fused_linear_cross_entropy_in_use
 from ..integrations.transformers_outputs import check_output_collector
@@ -41,6 +42,14 @@ from . import loss as loss_tiling
 from . import per_token
 
 logger = logging.getLogger("hf_offload")
+
+# DeepSpeed's Ulysses runs a chunk of query heads at a time through its exchange where attention is
+# tiled over heads (`integrations.sequence_parallel.adopt_ulysses`, on tiling's own head chunks),
+# under any registration: hf_offload's `register_ulysses`, or accelerate's and the Trainer's, which
+# never import that module. Attention tiling knows no Ulysses: plugged in here, through its seam.
+attention_tiling.register_outer_attention(
+    "deepspeed_ulysses", before_block=sequence_parallel.adopt_ulysses, released=sequence_parallel.release_ulysses
+)
 
 TILED_MODULES_ATTR = "_hf_offload_tiled_modules"
 
