@@ -60,6 +60,31 @@ def hybrid(model_type: str, ranks: int, checkpointing=False, tiling=False, offlo
     return model
 
 
+class Float64Torch:
+    """`torch` as a modeling module sees it, `torch.float32` answering float64 (see
+    tests/test_linear_attention.py): the gated delta rule's torch fallback then runs in the
+    model's float64."""
+
+    def __getattr__(self, name: str):
+        return torch.float64 if name == "float32" else getattr(torch, name)
+
+
+@contextlib.contextmanager
+def recurrence_in_float64(model_type: str):
+    """transformers' Gated DeltaNet computes its decay (`.float()`) and its recurrence (the torch
+    fallback's casts) in float32 whatever the model's dtype: here in float64, for a comparison to
+    float64's rounding. Test instrument only."""
+    model_class = AutoModelForCausalLM.from_config(registry_models.tiny_config(model_type)).__class__
+    modeling = sys.modules[model_class.__module__]
+    float32, original = torch.Tensor.float, modeling.torch
+    modeling.torch = Float64Torch()
+    torch.Tensor.float = lambda self: self if self.dtype == torch.float64 else float32(self)
+    try:
+        yield
+    finally:
+        modeling.torch, torch.Tensor.float = original, float32
+
+
 def run(model_type: str, recipe: dict) -> tuple:
     """The docs' loop on the model (plain SGD, gradients averaged over the ranks as DDP would)."""
     model = hybrid(model_type, spw.SP, **recipe)
@@ -71,18 +96,23 @@ def run(model_type: str, recipe: dict) -> tuple:
 
 
 def scenario_hybrids(types: tuple[str, ...] = HYBRIDS) -> dict:
-    """Each hybrid type, plain and with checkpointing + tiling (+ offloading, bit-identical)."""
+    """Each hybrid type, the recurrence in float64: plain, and with checkpointing + tiling (+
+    offloading, bit-identical); and each plain with transformers' own float32 recurrence."""
     results = {}
     for model_type in types:
-        ref = spw.reference(lambda model_type=model_type: hybrid(model_type, spw.SP))
+        build = lambda model_type=model_type: hybrid(model_type, spw.SP)  # noqa: E731
         plain, model = run(model_type, {})
-        results[f"{model_type}, plain"] = spw.differences(ref, plain)
-        results[f"{model_type}, plain"]["prepared"] = sum(
-            bool(getattr(m, linear_attention.PREPARED_ATTR, False)) for m in model.modules()
-        )
-        recipe = {"checkpointing": True, "tiling": True}
-        tiled, _ = run(model_type, recipe)
-        offloaded, model = run(model_type, {**recipe, "offload": True})
+        results[f"{model_type}, float32 recurrence"] = spw.differences(spw.reference(build), plain)
+        with recurrence_in_float64(model_type):
+            ref = spw.reference(build)
+            plain, model = run(model_type, {})
+            results[f"{model_type}, plain"] = spw.differences(ref, plain)
+            results[f"{model_type}, plain"]["prepared"] = sum(
+                bool(getattr(m, linear_attention.PREPARED_ATTR, False)) for m in model.modules()
+            )
+            recipe = {"checkpointing": True, "tiling": True}
+            tiled, _ = run(model_type, recipe)
+            offloaded, model = run(model_type, {**recipe, "offload": True})
         result = spw.differences(ref, tiled)
         result.update(
             offloaded_identical=spw.identical(tiled, offloaded),
@@ -97,14 +127,15 @@ def scenario_left_on_the_shard() -> dict:
     """Companion: Qwen3.5's Gated DeltaNet left on each rank's shard (the instance forward taken
     away again after register_ulysses, as before this fix): the comparison must see it."""
     model_type = HYBRIDS[0]
-    ref = spw.reference(lambda: hybrid(model_type, spw.SP))
-    model = hybrid(model_type, spw.SP)
-    ulysses = sp.register_ulysses(model, spw.SP, micro_batch_size=spw.ROWS)
-    linear_attention.release_linear_attention(model)
-    try:
-        return spw.differences(ref, spw.sp_train(model, model, ulysses))
-    finally:
-        sp.unregister_ulysses()
+    with recurrence_in_float64(model_type):
+        ref = spw.reference(lambda: hybrid(model_type, spw.SP))
+        model = hybrid(model_type, spw.SP)
+        ulysses = sp.register_ulysses(model, spw.SP, micro_batch_size=spw.ROWS)
+        linear_attention.release_linear_attention(model)
+        try:
+            return spw.differences(ref, spw.sp_train(model, model, ulysses))
+        finally:
+            sp.unregister_ulysses()
 
 
 def scenario_refused() -> dict:
