@@ -144,9 +144,9 @@ def mixes_without_attention(model: torch.nn.Module) -> bool:
     return bool(((first - second).abs().amax() / first.abs().amax()) > 1e-9)
 
 
-# The causal-LM types of transformers 5.25 with a token mixer outside softmax attention: the
-# Gated DeltaNets run exactly; every other one refused, by the name of its mixer. (Pure state-space
-# models without attention, mamba and mamba2 and rwkv, have no attention heads: refused earlier.)
+# Causal-LM types of transformers 5.25 with a token mixer outside softmax attention: the Gated
+# DeltaNets run exactly; the others refused, by the name of their mixer (docs/sequence_parallel.md
+# lists the rest found refused; pure state-space models have no attention heads: refused earlier).
 EXACT = {"qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next"}
 REFUSED = {
     "bamba": "BambaMixer",
@@ -157,7 +157,9 @@ REFUSED = {
     "lfm2": "Lfm2ShortConv",
     "lfm2_moe": "Lfm2MoeShortConv",
     "minimax": "MiniMaxLightningAttention",
+    "lfm3": "Lfm3ShortConv",
     "nemotron_h": "NemotronHMamba2Mixer",
+    "recurrent_gemma": "RecurrentGemmaRecurrentBlock",
     "zamba": "ZambaMambaMixer",
     "zamba2": "Zamba2MambaMixer",
 }
@@ -190,6 +192,26 @@ def test_every_hybrid_type_is_exact_or_refused_by_name(model_type):
         assert REFUSED[model_type] in str(refused.value)
         assert f"in layers [{mixers[0].layer}" in str(refused.value)
     assert mixes_without_attention(model)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3_moe", "seed_oss", "cohere_compass_text"])
+def test_models_mixing_tokens_only_in_softmax_attention_are_accepted(model_type):
+    """No false refusal: models whose tokens mix only through softmax attention (an MoE among
+    them; SeedOssMLP and CohereCompassMLP, whose names hold "ssM", are MLPs) have no token mixer
+    and pass check_sequence_parallel."""
+    model = registry().tiny_model(model_type)
+    assert la.token_mixers(model) == []
+    assert sp.check_sequence_parallel(model, 2, world_size=2) == "sdpa"
+    assert not mixes_without_attention(model)
+
+
+def test_indexed_attention_is_refused_by_its_layer_type():
+    """DeepSeek-V3.2's indexed attention: its indexer scores the keys outside transformers'
+    attention function (and Ulysses drops the mask it makes), so the probe above cannot see it mix;
+    its layer type names it, and it is refused."""
+    model = registry().tiny_model("deepseek_v32")
+    with pytest.raises(ValueError, match=r"indexed_attention in layers \[0, 1\] mix\(es\) tokens"):
+        sp.check_sequence_parallel(model, 2, world_size=2)
 
 
 # --- sequence tiling on a linear-attention layer ------------------------------------------------------------

@@ -42,12 +42,15 @@ from torch import nn
 
 from .upstream import resolve
 
-# The per-layer kinds (`layer_types`, `layers_block_type`) of softmax attention, which Ulysses exchanges.
-ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention"})
-# Class names of modules that mix tokens without softmax attention (whole words, case-insensitive).
+# The per-layer kinds (`layer_types`, `layers_block_type`) Ulysses runs right: softmax attention, which it
+# exchanges, and per-token blocks (Nemotron-H's MLP and MoE layers).
+ATTENTION_LAYER_TYPES = frozenset(
+    {"full_attention", "sliding_attention", "chunked_attention", "attention", "mlp", "moe"}
+)
+# Class names of modules that mix tokens without softmax attention (case-sensitive: SeedOssMLP is an MLP).
 _MIXER_NAME = re.compile(
-    r"(Mamba|Mixer|SSM|DeltaNet|LinearAttention|Lightning|ShortConv|Recurrent|RWKV|RgLru|Retention|Hyena|Kda)",
-    re.IGNORECASE,
+    r"(Mamba|Mixer|SSM|DeltaNet|DeltaAttention|LinearAttention|Lightning|ShortConv|Recurrent|Rwkv|RWKV|RgLru|RGLRU"
+    r"|Retention|Hyena)"
 )
 # Gated DeltaNet classes run exactly across the SP group: {class qualname: projection layout}.
 EXACT_GATED_DELTANET = {
@@ -119,7 +122,7 @@ def _says_mixer(module: nn.Module, family: str) -> bool:
     """Whether the class name, without the model family's prefix (RecurrentGemma's RMSNorm is a
     norm), names a token mixer."""
     name = type(module).__name__
-    if family and name.lower().startswith(family.lower()):
+    if family and name.startswith(family):
         name = name[len(family) :]
     return bool(_MIXER_NAME.search(name))
 
