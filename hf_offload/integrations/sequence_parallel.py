@@ -55,6 +55,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .linear_attention import check_token_mixers, prepare_linear_attention
 from .upstream import announce, present, resolve
 
 IGNORE_INDEX = -100
@@ -126,9 +127,15 @@ def check_sequence_parallel(model: object, sp_size: int, world_size: int | None 
     process group's, if any (and checks DeepSpeed's communication); a number checks the model
     against that world size alone. Returns the attention implementation Ulysses will wrap.
 
+    Token mixers other than softmax attention (linear attention, state-space and convolution
+    layers), which Ulysses would run on each rank's shard alone, are refused by name, except the
+    Gated DeltaNet of Qwen3.5 and Qwen3-Next: given a model, this makes those run exactly across
+    the SP group wherever Ulysses runs (`hf_offload.integrations.linear_attention`).
+
     Call it before `Trainer(...)` or `accelerate.prepare` with the same model and `sp_size`: they
     run the same checks later, some as bare assertions."""
     implementation = _check_model(model, sp_size)
+    prepare_linear_attention(model, sp_size)
     _check_not_context_parallel()
     if world_size is None:
         _check_deepspeed_communication()
@@ -252,6 +259,7 @@ def _check_model(model: object, sp_size: int) -> str:
             f"or 'flash_attention_2', or call model.set_attn_implementation('sdpa'); valid: "
             f"{', '.join(ULYSSES_ATTENTION)} or a hub kernel such as 'kernels-community/flash-attn2'"
         )
+    check_token_mixers(model, sp_size)
     return implementation
 
 

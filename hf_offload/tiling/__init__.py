@@ -25,6 +25,7 @@ from ..adapters import (
     find_attention,
     find_final_norm,
     find_layer_stack,
+    find_linear_attention,
     find_norms,
     is_linear_like,
     resolve_layers,
@@ -90,6 +91,12 @@ def enable_sequence_tiling(model: nn.Module, *positional: object, **options: obj
     for layer in layers:
         if parsed.norms:
             modules.update((id(norm), norm) for norm in find_norms(layer))
+        # A linear-attention block (Gated DeltaNet): its projections run a slice at a time like
+        # attention's; its causal convolution, its recurrence and its gated norm (rows of tokens x
+        # heads) run whole.
+        linear = find_linear_attention(layer)
+        if linear is not None and parsed.projections and any(is_linear_like(child) for child in linear.children()):
+            attentions.append(linear)
         attention = find_attention(layer)
         if attention is None:
             continue
