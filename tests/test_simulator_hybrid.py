@@ -18,6 +18,9 @@ HYBRID_PRESETS = [name for name, fields in PRESET_CONFIGS.items() if "layer_type
 
 TINY = {
     "qwen3_5_text": dict(intermediate_size=256),
+    "qwen3_5_moe_text": dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64
+    ),
     "qwen3_next": dict(
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64
     ),
@@ -169,9 +172,9 @@ def test_the_conv_check_catches_the_reference_code_on_meta():
     assert measured[:2] != (out, out)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_5_text", "qwen3_next"])
+@pytest.mark.parametrize("model_type", sorted(TINY))
 def test_the_estimate_answers_for_a_hybrid_model_naming_its_stand_ins(model_type, tmp_path, capsys):
-    """`hf-offload estimate --model DIR` for a tiny Qwen3.5 and a tiny Qwen3-Next: it answers, names the
+    """`hf-offload estimate --model DIR` for a tiny Qwen3.5 (dense and MoE) and a tiny Qwen3-Next: it answers, names the
     stand-ins, and the step ran them (the simulated delta rule once per linear-attention layer in forward and
     once more in the checkpointed recompute)."""
     calls = []
