@@ -12,7 +12,8 @@ the allocations the kernels' own Python code makes on CUDA, in the same order, w
 
 - `SimulatedChunkGatedDeltaRule`: fla 0.6.0's `ChunkGatedDeltaRuleFunction`
   (fla/ops/gated_delta_rule/chunk.py) as transformers calls it (qk l2-normalised in the kernel, no
-  packed sequences, chunks of 64). Forward: `input_guard` makes the inputs contiguous; `l2norm_fwd`
+  packed sequences, chunks of 64). Forward: `input_guard` makes the inputs contiguous (its copies live
+  through the forward); `l2norm_fwd`
   (fla/modules/norm/l2norm.py) a normalised q and k and a float32 rstd per token and head;
   `chunk_local_cumsum` a float32 g; `chunk_gated_delta_rule_fwd_intra` A (B, T, HV, 64), and
   `recompute_w_u_fwd` (wy_fast.py) w (B, T, HV, K) and u like v; `chunk_gated_delta_rule_fwd_h`
@@ -76,7 +77,9 @@ class SimulatedChunkGatedDeltaRule(torch.autograd.Function):
     def forward(ctx, q, k, v, g, beta, l2norm: bool, initial_state, output_final_state: bool, capability):
         if not q.is_meta:
             raise RuntimeError("the simulated chunk_gated_delta_rule computes nothing: meta tensors only")
-        q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))  # fla's input_guard
+        # fla's input_guard: contiguous copies of strided inputs, held in its argument list until the forward returns
+        guarded = tuple(t.contiguous() for t in (q, k, v, g, beta))
+        q, k, v, g, beta = guarded
         batch, tokens, heads, k_dim = k.shape
         v_heads, v_dim = v.shape[2:]
         chunks = math.ceil(tokens / CHUNK)
