@@ -28,7 +28,7 @@ import hf_offload
 from hf_offload.integrations import kernels as kernels_integration
 from hf_offload.integrations import sequence_parallel, upstream
 from hf_offload.integrations.upstream import ERROR, FALLBACK, HELD, INVENTORY, UpstreamChanged
-from hf_offload.tools.simulator import four_bit, stand_ins
+from hf_offload.tools.simulator import four_bit, linear_attention, stand_ins
 from hf_offload.tools.simulator import trl as trl_simulator
 
 
@@ -178,6 +178,11 @@ def ulysses_unregistered(monkeypatch):
 
 
 # The feature that uses each ERROR entry, run (cheaply) as users reach it.
+def linear_attention_stand_ins(_monkeypatch):
+    with linear_attention.linear_attention_as_on_cuda((9, 0)):
+        pass
+
+
 STOPS = {
     "trl.use_triton": head_stand_ins,
     "trl.trainer_use_triton": head_stand_ins,
@@ -207,7 +212,9 @@ STOPS = {
     "deepspeed.release_groups": ulysses_unregistered,
     "deepspeed.all_to_all": ulysses_exchange,
     "deepspeed.all_to_all_counted": counted_exchange,
-}
+    **{entry: linear_attention_stand_ins for module in linear_attention.MODULES
+       for entry in linear_attention.entries(module)},
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("entry_id", sorted(e for e, entry in INVENTORY.items() if entry.when_missing == ERROR))

@@ -72,6 +72,7 @@ ATTN_IMPLEMENTATION_USERS = (
     "tools/simulator/step.py, tools/benchmarks/gpu_multi.py, tools/benchmarks/cpu_tiling.py"
 )
 _TRL_HEAD = "estimate --trainer (TRL's fused LM head on the meta device, as on a CUDA device)"
+_LINEAR_ATTENTION = "simulated steps of Qwen3.5 and Qwen3-Next (their linear attention's GPU kernels on meta)"
 _MASKS = "every simulated step (masks decided on meta as on a GPU with unpadded inputs)"
 _FOUR_BIT = "estimate --load-in-4bit (a 4-bit base quantized on the meta device)"
 _GENERATION = "estimate --trainer grpo (transformers' generate on the meta device, as TRL calls it)"
@@ -267,6 +268,14 @@ INVENTORY: dict[str, Reliance] = {
         "bitsandbytes", "a 4-bit layer in eval mode without grad repacks its weight in place (CPU, AVX512-BF16)",
         "behaviour", "hf_offload/tiling/replay.py", "tiling a 4-bit base on the CPU", HELD,
         "tests/test_qlora.py::test_bitsandbytes_repacks_for_inference_on_an_eval_forward_without_grad"),
+    **{
+        f"transformers.{module}.{function}": Reliance(
+            "transformers", f"transformers.models.{module}.modeling_{module}:{name}", "replaced",
+            _SIM + "linear_attention.py", _LINEAR_ATTENTION, ERROR)
+        for module in ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+        for function, name in (("chunk_gated_delta_rule", "torch_chunk_gated_delta_rule"),
+                               ("causal_conv1d_fn", "causal_conv1d_fn"))
+    },
 }  # fmt: skip
 
 

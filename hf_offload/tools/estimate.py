@@ -40,6 +40,7 @@ from hf_offload.tools.grpo_generation import (
 from hf_offload.tools.modes import parse_mode
 from hf_offload.tools.simulator import PositionTable, Simulator, StepResult, Training, composition
 from hf_offload.tools.simulator.generation import DECODE_STEPS
+from hf_offload.tools.simulator.linear_attention import linear_attention_lines
 from hf_offload.tools.simulator.search import LONGEST, LongestSequence, Probe, longest_sequence, search_lengths
 from hf_offload.tools.simulator.tiers import (
     DEFAULT_DISK_GBPS,
@@ -1203,6 +1204,7 @@ def _assumption_lines(request: Request, *, device_given: bool) -> list[str]:
         "fit to the other nine; published steps of 0.5M-15M tokens: docs/published.md); offloading's copies not "
         "included",
     ]
+    lines.extend(linear_attention_lines(request.config))
     if request.tflops is not None:
         lines.append(f"  matmul rate: {request.tflops:g} TFLOP/s, given with --tflops")
     if request.link_gbps is not None:
