@@ -146,7 +146,7 @@ class Estimate:
                 "tiers": tiers_json(step, request),
             }
             model_type = getattr(request.config.get_text_config(), "model_type", "llama")
-            item["recipe"] = recipe(entry.mode, model_type, request.training.tile_tokens)
+            item["recipe"] = recipe(entry.mode, model_type, request.training)
             if entry.longest is not None:
                 longest = entry.longest
                 item["max_seq_len"] = longest.max_seq_len
@@ -631,24 +631,58 @@ def size(nbytes: float | None) -> str:
     return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.1f} MiB"
 
 
-def recipe(mode: str, model_type: str = "llama", tile_tokens: int | None = None) -> list[str]:
-    """The lines that put a model loaded with transformers in `mode`, in the order to add them."""
+# The disk tier's directory in a recipe: the user's own (`disk_dir` must exist on a local disk).
+DISK_DIR = "/path/to/local/disk"
+
+
+def recipe(mode: str, model_type: str = "llama", training: Training | None = None) -> list[str]:
+    """The lines that put a model loaded with transformers in `mode`, in the order to add them,
+    with every option of `training` that the simulated step of `mode` ran with (the text's recipe
+    and the JSON's both come from here). What the setup line states besides (dtype, LoRA, batch,
+    optimizer, a TRL trainer) is how the user trains, not a line to add; ZeRO-3's parameter offload
+    is a DeepSpeed config, named in a comment."""
+    from hf_offload.config import OffloadOptions
+
     parsed = parse_mode(mode)
+    training = Training() if training is None else training
     lines = []
+    if training.offload_params:
+        lines.append("# with DeepSpeed ZeRO-3: offload_param and offload_optimizer to the CPU (in its config)")
+    if training.sp_size > 1:
+        lines.append("from hf_offload.integrations.sequence_parallel import register_ulysses  # on every rank")
+        lines.append(f"register_ulysses(model, sp_size={training.sp_size}, micro_batch_size={training.batch_size})")
     if parsed.liger:
-        lines.append(f"liger_kernel.transformers.apply_liger_kernel_to_{model_type}(model=model)  # fused loss")
+        from hf_offload.tools.modes import liger_flce_switches
+
+        switches = ", ".join(f"{name}={value}" for name, value in liger_flce_switches(model_type).items())
+        lines.append(f"liger_kernel.transformers.apply_liger_kernel_to_{model_type}(model=model, {switches})")
     if parsed.checkpointing:
         lines.append("model.activation_checkpointing_enable()")
     if parsed.hf_offload:
-        lines.append(
-            'model.enable_activation_offloading(max_device_bytes="auto")'
-            if parsed.budget
-            else "model.enable_activation_offloading()"
-        )
+        defaults = OffloadOptions()
+        options = {
+            name: getattr(training, name)
+            for name in ("keep_last_layers", "prefetch_layers", "min_offload_bytes")
+            if getattr(training, name) != getattr(defaults, name)
+        }
+        if parsed.budget:
+            options["max_device_bytes"] = "auto"
+        elif training.device_budget_bytes is not None:
+            options["max_device_bytes"] = training.device_budget_bytes
+        # The host budget is hf_offload's default (80% of the host's RAM), as simulated with
+        # --host-memory; the disk tier's is its default too (80% of the space free in disk_dir).
+        if training.disk_memory_bytes is not None:
+            options["disk_dir"] = DISK_DIR
+        lines.append(f"model.enable_activation_offloading({_keywords(options)})")
     if parsed.tiled:
-        options = "" if tile_tokens is None else f"tile_tokens={tile_tokens}"
-        lines.append(f"model.enable_sequence_tiling({options})")
+        options = {} if training.tile_tokens is None else {"tile_tokens": training.tile_tokens}
+        options.update(dict(training.tiling or ()))
+        lines.append(f"model.enable_sequence_tiling({_keywords(options)})")
     return lines
+
+
+def _keywords(options: dict) -> str:
+    return ", ".join(f"{name}={value!r}" for name, value in options.items())
 
 
 # What the GRPO estimate says of where generation runs, by TRL's setting (one home for each).
@@ -711,7 +745,7 @@ def _headline_lines(estimate: Estimate) -> list[str]:
     lines.extend(_host_lines(estimate, best))
     if best is not None:
         model_type = getattr(request.config.get_text_config(), "model_type", "llama")
-        steps = recipe(best.mode, model_type, request.training.tile_tokens)
+        steps = recipe(best.mode, model_type, request.training)
         if steps:
             amount = f"{best.longest.max_seq_len:,}" + (" tokens" if length_name(training) == "sequence" else
                                                           "-token completions")  # fmt: skip
