@@ -894,6 +894,24 @@ def _host_lines(estimate: Estimate, best: ModeEstimate | None) -> list[str]:
     ]
 
 
+def table(header: list[str], rows: list[list[str]], widths: tuple[int, ...]) -> list[str]:
+    """A text table: the first column left-aligned, the next `len(widths) - 1` right-aligned, each
+    at least its width in `widths` and wider where a cell needs it (two spaces always between
+    columns: a step of 20,059,145 TFLOP and 18,781.58 s stays two numbers); a column after those
+    (free text, "peak at") follows two spaces after the last."""
+    sized = [
+        max(minimum, max(len(row[i]) for row in [header, *rows]) + 2)
+        for i, minimum in enumerate(widths)
+    ]
+    lines = []
+    for row in [header, *rows]:
+        figures = zip(row[1 : len(widths)], sized[1:], strict=True)
+        cells = [f"{row[0]:<{sized[0]}}"] + [f"{cell:>{width}}" for cell, width in figures]
+        rest = "".join(f"  {cell}" for cell in row[len(widths) :])
+        lines.append("".join(cells) + rest)
+    return lines
+
+
 def format_estimate(estimate: Estimate, *, device_given: bool) -> str:
     request = estimate.request
     lines = [_setup_line(request), ""]
@@ -909,16 +927,13 @@ def format_estimate(estimate: Estimate, *, device_given: bool) -> str:
     def amount(nbytes):
         return "-" if nbytes is None else f"{nbytes / scale:.2f}"
 
-    lines.append(
-        f"{'mode':<32}{'peak ' + unit:>10}{'host ' + unit:>10}{'moved ' + unit:>11}{flop_unit:>9}{'step s':>8}  peak at"
-    )
-    for entry in estimate.modes:
-        step = entry.step
-        lines.append(
-            f"{entry.mode:<32}{amount(step.peak_bytes):>10}{amount(step.host_bytes):>10}"
-            f"{amount(step.offloaded_bytes):>11}{step.flops / flop_scale:>9.0f}{entry.step_seconds:>8.2f}"
-            f"  {_where(step)}"
-        )
+    header = ["mode", "peak " + unit, "host " + unit, "moved " + unit, flop_unit, "step s", "peak at"]
+    rows = [
+        [entry.mode, amount(entry.step.peak_bytes), amount(entry.step.host_bytes), amount(entry.step.offloaded_bytes),
+         f"{entry.step.flops / flop_scale:.0f}", f"{entry.step_seconds:.2f}", _where(entry.step)]
+        for entry in estimate.modes
+    ]  # fmt: skip
+    lines.extend(table(header, rows, widths=(32, 10, 10, 11, 9, 8)))
     lines.append(
         "(peak: allocated device bytes, what torch.cuda.max_memory_allocated reports; host: hf_offload's pinned "
         f"pool; moved: bytes offloaded per step; {flop_unit}: flop_counter's count, attention over the full square)"
@@ -1193,8 +1208,8 @@ def _longest_lines(estimate: Estimate) -> list[str]:
         f"longest {length_name(request.training)} in {size(memory)} (batch {request.training.batch_size}; bisection "
         "on multiples of "
         f"{request.granularity} tokens, from a bracket predicted by two simulated lengths):",
-        f"{'mode':<32}{'max seq':>9}{'MB/token':>10}{'peak GiB there':>16}{'host GiB there':>16}{'runs':>6}",
     ]
+    rows = []
     for entry in estimate.modes:
         longest = entry.longest
         at = longest.at_max
@@ -1203,10 +1218,10 @@ def _longest_lines(estimate: Estimate) -> list[str]:
         # With a disk tier the step was simulated with every layer offloaded: the host holds what
         # the tiers' plan leaves it, not all of that.
         host_there = None if at is None else at.tiers.host_bytes if at.tiers is not None else at.host_bytes
-        lines.append(
-            f"{entry.mode:<32}{value:>9}{per_token:>10}{gib(at.peak_bytes if at else None):>16}"
-            f"{gib(host_there):>16}{len(longest.probes):>6}"
-        )
+        rows.append([entry.mode, value, per_token, gib(at.peak_bytes if at else None), gib(host_there),
+                     str(len(longest.probes))])  # fmt: skip
+    header = ["mode", "max seq", "MB/token", "peak GiB there", "host GiB there", "runs"]
+    lines.extend(table(header, rows, widths=(32, 9, 10, 16, 16, 6)))
     for entry in estimate.modes:
         at = entry.longest.at_max
         if at is not None and at.tiers is not None:
