@@ -307,7 +307,7 @@ def run_estimate(request: Request, *, echo=print, jobs: int | None = None) -> Es
     if jobs > 1 and context is not None:
         _worker_simulator[:] = [simulator]  # each forked worker steps its own copy of the model built here
         try:
-            with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
+            with forked_pool(jobs, context) as pool:
                 entries = pool.map(_simulate_mode, [(request, mode) for mode in request.modes])
                 for mode, entry in zip(request.modes, entries, strict=True):
                     estimate.modes.append(entry)
@@ -390,6 +390,23 @@ def past_the_host(estimate: Estimate, cpus: int, context, echo) -> tuple[Request
     return with_disk, entry
 
 
+def forked_pool(workers: int, context) -> ProcessPoolExecutor:
+    """The estimate's pool of forked workers (`context`: multiprocessing's "fork"), each of which
+    sets torch to one thread before anything else runs in it. GNU OpenMP's thread pool does not
+    survive a fork: once a parallel CPU op has run in the parent (torch.zeros(2**26).add_(1)), the
+    child's first parallel op waits in its barrier for threads that are not there, forever. One
+    thread costs the workers nothing: they step models on the meta device. (A "forkserver" or
+    "spawn" pool would not hang either, but starts torch again in each worker and builds the model
+    again: seconds per worker.)"""
+    return ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_one_thread)
+
+
+def _one_thread() -> None:
+    import torch
+
+    torch.set_num_threads(1)
+
+
 _worker_simulator: list = []  # a forked worker's model, built at its first mode
 
 
@@ -423,7 +440,7 @@ def _estimate_mode(simulator: Simulator, request: Request, mode: str, *, pair=No
     def run_together(tasks: list[tuple[int, bool]]) -> list[StepResult]:
         _forked_run[:] = [run]
         try:
-            with ProcessPoolExecutor(max_workers=len(tasks) - 1, mp_context=pair) as pool:
+            with forked_pool(len(tasks) - 1, pair) as pool:
                 elsewhere = [pool.submit(_run_forked, task) for task in tasks[1:]]
                 here = run(*tasks[0])
                 found = [here] + [future.result() for future in elsewhere]
