@@ -147,7 +147,7 @@ class Estimate:
                 "tiers": tiers_json(step, request),
             }
             model_type = getattr(request.config.get_text_config(), "model_type", "llama")
-            item["recipe"] = recipe(entry.mode, model_type, request.training.tile_tokens)
+            item["recipe"] = recipe(entry.mode, model_type, request.training)
             if entry.longest is not None:
                 longest = entry.longest
                 item["max_seq_len"] = longest.max_seq_len
@@ -308,7 +308,7 @@ def run_estimate(request: Request, *, echo=print, jobs: int | None = None) -> Es
     if jobs > 1 and context is not None:
         _worker_simulator[:] = [simulator]  # each forked worker steps its own copy of the model built here
         try:
-            with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
+            with forked_pool(jobs, context) as pool:
                 entries = pool.map(_simulate_mode, [(request, mode) for mode in request.modes])
                 for mode, entry in zip(request.modes, entries, strict=True):
                     estimate.modes.append(entry)
@@ -391,6 +391,23 @@ def past_the_host(estimate: Estimate, cpus: int, context, echo) -> tuple[Request
     return with_disk, entry
 
 
+def forked_pool(workers: int, context) -> ProcessPoolExecutor:
+    """The estimate's pool of forked workers (`context`: multiprocessing's "fork"), each of which
+    sets torch to one thread before anything else runs in it. GNU OpenMP's thread pool does not
+    survive a fork: once a parallel CPU op has run in the parent (torch.zeros(2**26).add_(1)), the
+    child's first parallel op waits in its barrier for threads that are not there, forever. One
+    thread costs the workers nothing: they step models on the meta device. (A "forkserver" or
+    "spawn" pool would not hang either, but starts torch again in each worker and builds the model
+    again: seconds per worker.)"""
+    return ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_one_thread)
+
+
+def _one_thread() -> None:
+    import torch
+
+    torch.set_num_threads(1)
+
+
 _worker_simulator: list = []  # a forked worker's model, built at its first mode
 
 
@@ -424,7 +441,7 @@ def _estimate_mode(simulator: Simulator, request: Request, mode: str, *, pair=No
     def run_together(tasks: list[tuple[int, bool]]) -> list[StepResult]:
         _forked_run[:] = [run]
         try:
-            with ProcessPoolExecutor(max_workers=len(tasks) - 1, mp_context=pair) as pool:
+            with forked_pool(len(tasks) - 1, pair) as pool:
                 elsewhere = [pool.submit(_run_forked, task) for task in tasks[1:]]
                 here = run(*tasks[0])
                 found = [here] + [future.result() for future in elsewhere]
@@ -632,24 +649,58 @@ def size(nbytes: float | None) -> str:
     return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.1f} MiB"
 
 
-def recipe(mode: str, model_type: str = "llama", tile_tokens: int | None = None) -> list[str]:
-    """The lines that put a model loaded with transformers in `mode`, in the order to add them."""
+# The disk tier's directory in a recipe: the user's own (`disk_dir` must exist on a local disk).
+DISK_DIR = "/path/to/local/disk"
+
+
+def recipe(mode: str, model_type: str = "llama", training: Training | None = None) -> list[str]:
+    """The lines that put a model loaded with transformers in `mode`, in the order to add them,
+    with every option of `training` that the simulated step of `mode` ran with (the text's recipe
+    and the JSON's both come from here). What the setup line states besides (dtype, LoRA, batch,
+    optimizer, a TRL trainer) is how the user trains, not a line to add; ZeRO-3's parameter offload
+    is a DeepSpeed config, named in a comment."""
+    from hf_offload.config import OffloadOptions
+
     parsed = parse_mode(mode)
+    training = Training() if training is None else training
     lines = []
+    if training.offload_params:
+        lines.append("# with DeepSpeed ZeRO-3: offload_param and offload_optimizer to the CPU (in its config)")
+    if training.sp_size > 1:
+        lines.append("from hf_offload.integrations.sequence_parallel import register_ulysses  # on every rank")
+        lines.append(f"register_ulysses(model, sp_size={training.sp_size}, micro_batch_size={training.batch_size})")
     if parsed.liger:
-        lines.append(f"liger_kernel.transformers.apply_liger_kernel_to_{model_type}(model=model)  # fused loss")
+        from hf_offload.tools.modes import liger_flce_switches
+
+        switches = ", ".join(f"{name}={value}" for name, value in liger_flce_switches(model_type).items())
+        lines.append(f"liger_kernel.transformers.apply_liger_kernel_to_{model_type}(model=model, {switches})")
     if parsed.checkpointing:
         lines.append("model.activation_checkpointing_enable()")
     if parsed.hf_offload:
-        lines.append(
-            'model.enable_activation_offloading(max_device_bytes="auto")'
-            if parsed.budget
-            else "model.enable_activation_offloading()"
-        )
+        defaults = OffloadOptions()
+        options = {
+            name: getattr(training, name)
+            for name in ("keep_last_layers", "prefetch_layers", "min_offload_bytes")
+            if getattr(training, name) != getattr(defaults, name)
+        }
+        if parsed.budget:
+            options["max_device_bytes"] = "auto"
+        elif training.device_budget_bytes is not None:
+            options["max_device_bytes"] = training.device_budget_bytes
+        # The host budget is hf_offload's default (80% of the host's RAM), as simulated with
+        # --host-memory; the disk tier's is its default too (80% of the space free in disk_dir).
+        if training.disk_memory_bytes is not None:
+            options["disk_dir"] = DISK_DIR
+        lines.append(f"model.enable_activation_offloading({_keywords(options)})")
     if parsed.tiled:
-        options = "" if tile_tokens is None else f"tile_tokens={tile_tokens}"
-        lines.append(f"model.enable_sequence_tiling({options})")
+        options = {} if training.tile_tokens is None else {"tile_tokens": training.tile_tokens}
+        options.update(dict(training.tiling or ()))
+        lines.append(f"model.enable_sequence_tiling({_keywords(options)})")
     return lines
+
+
+def _keywords(options: dict) -> str:
+    return ", ".join(f"{name}={value!r}" for name, value in options.items())
 
 
 # What the GRPO estimate says of where generation runs, by TRL's setting (one home for each).
@@ -712,7 +763,7 @@ def _headline_lines(estimate: Estimate) -> list[str]:
     lines.extend(_host_lines(estimate, best))
     if best is not None:
         model_type = getattr(request.config.get_text_config(), "model_type", "llama")
-        steps = recipe(best.mode, model_type, request.training.tile_tokens)
+        steps = recipe(best.mode, model_type, request.training)
         if steps:
             amount = f"{best.longest.max_seq_len:,}" + (" tokens" if length_name(training) == "sequence" else
                                                           "-token completions")  # fmt: skip
@@ -861,6 +912,24 @@ def _host_lines(estimate: Estimate, best: ModeEstimate | None) -> list[str]:
     ]
 
 
+def table(header: list[str], rows: list[list[str]], widths: tuple[int, ...]) -> list[str]:
+    """A text table: the first column left-aligned, the next `len(widths) - 1` right-aligned, each
+    at least its width in `widths` and wider where a cell needs it (two spaces always between
+    columns: a step of 20,059,145 TFLOP and 18,781.58 s stays two numbers); a column after those
+    (free text, "peak at") follows two spaces after the last."""
+    sized = [
+        max(minimum, max(len(row[i]) for row in [header, *rows]) + 2)
+        for i, minimum in enumerate(widths)
+    ]
+    lines = []
+    for row in [header, *rows]:
+        figures = zip(row[1 : len(widths)], sized[1:], strict=True)
+        cells = [f"{row[0]:<{sized[0]}}"] + [f"{cell:>{width}}" for cell, width in figures]
+        rest = "".join(f"  {cell}" for cell in row[len(widths) :])
+        lines.append("".join(cells) + rest)
+    return lines
+
+
 def format_estimate(estimate: Estimate, *, device_given: bool) -> str:
     request = estimate.request
     lines = [_setup_line(request), ""]
@@ -876,16 +945,13 @@ def format_estimate(estimate: Estimate, *, device_given: bool) -> str:
     def amount(nbytes):
         return "-" if nbytes is None else f"{nbytes / scale:.2f}"
 
-    lines.append(
-        f"{'mode':<32}{'peak ' + unit:>10}{'host ' + unit:>10}{'moved ' + unit:>11}{flop_unit:>9}{'step s':>8}  peak at"
-    )
-    for entry in estimate.modes:
-        step = entry.step
-        lines.append(
-            f"{entry.mode:<32}{amount(step.peak_bytes):>10}{amount(step.host_bytes):>10}"
-            f"{amount(step.offloaded_bytes):>11}{step.flops / flop_scale:>9.0f}{entry.step_seconds:>8.2f}"
-            f"  {_where(step)}"
-        )
+    header = ["mode", "peak " + unit, "host " + unit, "moved " + unit, flop_unit, "step s", "peak at"]
+    rows = [
+        [entry.mode, amount(entry.step.peak_bytes), amount(entry.step.host_bytes), amount(entry.step.offloaded_bytes),
+         f"{entry.step.flops / flop_scale:.0f}", f"{entry.step_seconds:.2f}", _where(entry.step)]
+        for entry in estimate.modes
+    ]  # fmt: skip
+    lines.extend(table(header, rows, widths=(32, 10, 10, 11, 9, 8)))
     lines.append(
         "(peak: allocated device bytes, what torch.cuda.max_memory_allocated reports; host: hf_offload's pinned "
         f"pool; moved: bytes offloaded per step; {flop_unit}: flop_counter's count, attention over the full square)"
@@ -1160,8 +1226,8 @@ def _longest_lines(estimate: Estimate) -> list[str]:
         f"longest {length_name(request.training)} in {size(memory)} (batch {request.training.batch_size}; bisection "
         "on multiples of "
         f"{request.granularity} tokens, from a bracket predicted by two simulated lengths):",
-        f"{'mode':<32}{'max seq':>9}{'MB/token':>10}{'peak GiB there':>16}{'host GiB there':>16}{'runs':>6}",
     ]
+    rows = []
     for entry in estimate.modes:
         longest = entry.longest
         at = longest.at_max
@@ -1170,10 +1236,10 @@ def _longest_lines(estimate: Estimate) -> list[str]:
         # With a disk tier the step was simulated with every layer offloaded: the host holds what
         # the tiers' plan leaves it, not all of that.
         host_there = None if at is None else at.tiers.host_bytes if at.tiers is not None else at.host_bytes
-        lines.append(
-            f"{entry.mode:<32}{value:>9}{per_token:>10}{gib(at.peak_bytes if at else None):>16}"
-            f"{gib(host_there):>16}{len(longest.probes):>6}"
-        )
+        rows.append([entry.mode, value, per_token, gib(at.peak_bytes if at else None), gib(host_there),
+                     str(len(longest.probes))])  # fmt: skip
+    header = ["mode", "max seq", "MB/token", "peak GiB there", "host GiB there", "runs"]
+    lines.extend(table(header, rows, widths=(32, 9, 10, 16, 16, 6)))
     for entry in estimate.modes:
         at = entry.longest.at_max
         if at is not None and at.tiers is not None:
