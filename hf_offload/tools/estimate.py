@@ -29,6 +29,7 @@ from hf_offload.tools.devices import (
     Device,
     compute_seconds,
 )
+from hf_offload.tools.generation_limits import check_generation, model_positions
 from hf_offload.tools.grpo_generation import (
     VLLM_ASSUMPTIONS,
     VLLM_MAX_NUM_BATCHED_TOKENS,
@@ -296,6 +297,7 @@ def run_estimate(request: Request, *, echo=print, jobs: int | None = None) -> Es
     started = time.perf_counter()
     for mode in request.modes:
         parse_mode(mode)  # a bad name fails before anything runs
+    check_generation(request.config, request.training)  # what vLLM would refuse, before anything runs
     simulator = Simulator(request.config, request.training)
     request, notes = within_positions(request, simulator.positions)
     estimate = Estimate(request, positions=simulator.positions, notes=notes)
@@ -515,7 +517,7 @@ def _generation_plan(simulator: Simulator, request: Request, mode: str) -> Gener
         profile = simulator.generate("none", rows=1, prompt_length=VLLM_MAX_NUM_BATCHED_TOKENS)
         share = vllm_share(simulator, training.device, how, profile.prefill.peak_bytes, memory=request.memory_bytes)
     return GenerationPlan(how, trl.generation_rows, trl.prompt_length, simulated, simulator.resident_bytes,
-                          training.device.workspace_bytes, share)  # fmt: skip
+                          training.device.workspace_bytes, share, model_positions(request.config))  # fmt: skip
 
 
 def _with_generation(entry: ModeEstimate, plan: GenerationPlan, simulator: Simulator, request: Request, run) -> None:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from hf_offload.tools.decode_time import rates
 from hf_offload.tools.devices import RESERVED_GIB, TIME_MODEL, Device
+from hf_offload.tools.generation_limits import Positions, vllm_max_model_len
 from hf_offload.tools.simulator.generation import GenerationResult
 from hf_offload.tools.simulator.trl import TrlGeneration
 
@@ -43,9 +44,10 @@ VLLM_ASSUMPTIONS = (
     f"{VLLM_MAX_NUM_BATCHED_TOKENS} tokens, TRL's value: transformers' prefill of as many tokens, simulated, its KV "
     f"cache left out), a CUDA graph pool of {VLLM_CUDA_GRAPH_BYTES / GIB:g} GiB (logged: 0.36-0.65 GiB), "
     f"{VLLM_NON_TORCH_BYTES / GIB:g} GiB outside PyTorch, and the KV cache: the rest, in blocks of "
-    f"{VLLM_BLOCK_TOKENS} tokens; vllm_max_model_length set to prompt + completion (TRL's default reads the "
-    "model's max_position_embeddings); no prefix sharing between a prompt's generations (a prompt's blocks are "
-    "few beside a long completion's); asleep (level 2, TRL's) it keeps the graph pool and what is outside "
+    f"{VLLM_BLOCK_TOKENS} tokens; vllm_max_model_length as given, or else set to prompt + completion where the "
+    "length vLLM derives from the model does not fit its KV cache (generation_limits); no prefix sharing "
+    "between a prompt's generations (a prompt's blocks are few beside a long completion's); asleep (level 2, "
+    "TRL's) it keeps the graph pool and what is outside "
     "PyTorch; rows the KV cache cannot hold at once wait for a free slot (decoded in waves)"
 )
 
@@ -116,6 +118,7 @@ class GenerationPlan:
     resident: int  # the trainer's bytes while generating: weights, reference model, optimizer state
     workspace: int
     vllm: VllmShare | None = None
+    positions: Positions | None = None  # the model's positions, with its rope scaling (generation_limits)
 
     @property
     def during_step(self) -> int:
@@ -133,11 +136,44 @@ class GenerationPlan:
             return self.resident + self.simulated.peak_bytes(completion) + self.workspace
         return self.resident + self.vllm.requested + self.workspace
 
+    def length_cap(self) -> tuple[int | None, str]:
+        """The longest completion the model's positions allow after the prompt (with vLLM: its
+        max_model_len), memory aside, and what sets it; None: nothing does."""
+        if self.how.use_vllm:
+            tokens, what = vllm_max_model_len(self.positions, self.how.vllm_max_model_length)
+            if tokens is None:
+                return None, ""
+            return tokens - self.prompt_length, f"{what}: a row stops there"
+        if self.positions is None:
+            return None, ""
+        return self.positions.tokens - self.prompt_length, (
+            f"the model's positions ({self.positions.source}); TRL's generate does not stop there (it runs to "
+            "max_completion_length) but past them the model runs on positions it was not trained on")
+
     def longest(self, memory: int, granularity: int) -> tuple[int | None, str]:
         """The longest completion generation allows on `memory` bytes (a multiple of
-        `granularity`; None: none), and what sets it."""
+        `granularity`, or the model's own limit `length_cap`; None: none), and what sets it."""
+        cap, capped_by = self.length_cap()
+        if cap is not None and cap < 1:
+            return None, f"{capped_by}, {self.prompt_length:,} tokens of prompt leave none to generate"
         if not self.how.on_this_gpu:
             return None, "generation runs on the server's GPUs"
+        found, reason = self._longest_in_memory(memory, granularity)
+        if found is not None and cap is not None and found >= cap:
+            return cap, capped_by
+        if self.vllm is not None and found is not None:
+            max_model_len, _ = vllm_max_model_len(self.positions, self.how.vllm_max_model_length)
+            fits = self.vllm.longest_sequence()
+            if self.how.vllm_max_model_length is None and max_model_len is not None:
+                # vLLM checks at start that one sequence of max_model_len fits its KV cache.
+                reason += (f"; set vllm_max_model_length to {self.prompt_length + found:,} (prompt + completion): "
+                           f"TRL's default leaves vLLM at the derived {max_model_len:,}, which its KV cache "
+                           f"({fits:,} tokens) cannot hold, and vLLM refuses to start (\"To serve at least one "
+                           "request with the models's max seq len ... Try increasing `gpu_memory_utilization` or "
+                           "decreasing `max_model_len`\")")  # fmt: skip
+        return found, reason
+
+    def _longest_in_memory(self, memory: int, granularity: int) -> tuple[int | None, str]:
         if self.vllm is None:
             budget = memory - self.resident - self.workspace
             found = self.simulated.longest(budget, granularity=granularity)
@@ -148,6 +184,12 @@ class GenerationPlan:
                           f"state ({self.resident / GIB:.2f} GiB) exceed the device")  # fmt: skip
         if share.kv_bytes <= 0:
             return None, f"vLLM's share leaves no KV cache ({share.kv_bytes / GIB:.2f} GiB)"
+        given = self.how.vllm_max_model_length
+        if given is not None and share.longest_sequence() < given:
+            return None, (f"vLLM refuses to start: one sequence of max_model_len {given:,} needs "
+                          f"{given * share.kv_token_bytes / GIB:.2f} GiB of KV cache, more than its "
+                          f"{share.kv_bytes / GIB:.2f} GiB (\"Try increasing `gpu_memory_utilization` or decreasing "
+                          f"`max_model_len`\"): its KV cache holds {share.longest_sequence():,} tokens")  # fmt: skip
         longest = (share.longest_sequence() - self.prompt_length) // granularity * granularity
         return (longest if longest > 0 else None), "one sequence in vLLM's KV cache"
 

@@ -1,0 +1,91 @@
+"""GRPO's generation ends at the model's positions (with its rope scaling) and, with vLLM, at its
+max_model_len as TRL 1.16 passes it (`hf_offload.tools.generation_limits`)."""
+
+from __future__ import annotations
+
+import pytest
+from test_estimate import estimate_json, restore_logging  # noqa: F401 (restore_logging: autouse)
+
+from hf_offload.tools import grpo_generation
+from hf_offload.tools.cli import main
+from hf_offload.tools.generation_limits import model_positions, parse_rope_scaling, with_rope_scaling
+from hf_offload.tools.presets import preset_config
+
+# tiny: 2,048 positions (LlamaConfig's default max_position_embeddings); memory enough for far more.
+GRPO_TINY = ["--preset", "tiny", "--lora-rank", "4", "--trainer", "grpo", "--num-generations", "2", "--modes",
+             "checkpointing", "--granularity", "256", "--optimizer-states", "0", "--prompt-length", "64",
+             "--device-memory", "4"]  # fmt: skip
+
+
+def test_positions_are_read_as_vllm_derives_them():
+    """max_position_embeddings as the config has it; Llama 3.1's "llama3" scaling is already in it;
+    YaRN stretches original_max_position_embeddings by its factor (Qwen3-8B: 32,768 x 4, as Qwen
+    documents), linear scaling the config's length."""
+    qwen = preset_config("qwen3-8b")
+    assert model_positions(qwen).tokens == qwen.max_position_embeddings
+    llama = preset_config("llama-3.1-8b")
+    assert llama.rope_parameters["rope_type"] == "llama3"
+    assert model_positions(llama).tokens == llama.max_position_embeddings
+    yarn = model_positions(with_rope_scaling(qwen, parse_rope_scaling("yarn:4:32768")))
+    assert yarn.tokens == 4 * 32768 and "yarn factor 4" in yarn.source
+    linear = model_positions(with_rope_scaling(qwen, parse_rope_scaling("linear:2")))
+    assert linear.tokens == 2 * qwen.max_position_embeddings
+    assert qwen.rope_parameters["rope_type"] == "default"  # the preset itself is untouched
+
+
+@pytest.mark.parametrize(
+    "args,fragment",
+    [
+        (["--rope-scaling", "ntk:4"], "give TYPE:FACTOR[:ORIGINAL_POSITIONS] with TYPE one of yarn, linear, dynamic"),
+        (["--rope-scaling", "yarn:0.5"], "the factor must be above 1"),
+        (["--rope-scaling", "yarn:four"], "the factor 'four' is not a number"),
+        (["--rope-scaling", "yarn:4:-1"], "the original positions '-1' are not a positive whole number"),
+        (["--trainer", "grpo", "--vllm-max-model-length", "4096"],
+         "argument --vllm-max-model-length: configures vLLM: give --use-vllm too"),
+        (["--trainer", "grpo", "--use-vllm", "--vllm-max-model-length", "0"], "vllm-max-model-length must be >= 1"),
+    ],
+)  # fmt: skip
+def test_bad_limits_are_named(capsys, args, fragment):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["estimate", "--preset", "tiny", *args])
+    assert exit_info.value.code == 2
+    assert fragment in capsys.readouterr().err
+
+
+def test_a_max_model_len_past_the_positions_is_refused_in_vllms_words(capsys, monkeypatch):
+    """vLLM refuses a max_model_len above the one it derives (without VLLM_ALLOW_LONG_MAX_MODEL_LEN):
+    refused before anything is simulated."""
+
+    def simulated(*_args, **_kwargs):
+        raise AssertionError("simulated before the refusal")
+
+    monkeypatch.setattr("hf_offload.tools.estimate.Simulator", simulated)
+    with pytest.raises(SystemExit):
+        main(["estimate", *GRPO_TINY, "--use-vllm", "--vllm-max-model-length", "4096"])
+    err = capsys.readouterr().err
+    assert "User-specified max_model_len (4096) is greater than the derived max_model_len" in err
+    assert "max_position_embeddings 2,048" in err and "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1" in err
+
+
+def test_vllm_answers_stop_at_max_model_len(capsys, monkeypatch):
+    """With memory for far longer rows, vLLM's answer is its max_model_len less the prompt: derived
+    from the model's positions, or as given; without the cap the answer runs past the positions."""
+    derived = estimate_json(capsys, *GRPO_TINY, "--use-vllm")["modes"]["checkpointing"]
+    assert derived["max_seq_len"] == 2048 - 64
+    assert "max_position_embeddings 2,048" in derived["generation"]["limited_by"]
+    given = estimate_json(capsys, *GRPO_TINY, "--use-vllm", "--vllm-max-model-length", "1088")
+    assert given["modes"]["checkpointing"]["max_seq_len"] == 1088 - 64
+    assert "vllm_max_model_length 1,088" in given["modes"]["checkpointing"]["generation"]["limited_by"]
+    monkeypatch.setattr(grpo_generation.GenerationPlan, "length_cap", lambda self: (None, ""))
+    uncapped = estimate_json(capsys, *GRPO_TINY, "--use-vllm")["modes"]["checkpointing"]
+    assert uncapped["generation"]["max_seq_len_generation"] > 2048
+
+
+def test_generate_stops_at_the_positions_with_the_rope_scaling_given(capsys):
+    """transformers' generate does not stop at the positions (TRL generates to max_completion_length):
+    the answer does, and says so; YaRN given on the command line stretches them."""
+    scaled = estimate_json(capsys, *GRPO_TINY, "--rope-scaling", "yarn:2")["modes"]["checkpointing"]
+    assert scaled["max_seq_len"] == 2 * 2048 - 64
+    reason = scaled["generation"]["limited_by"]
+    assert "original_max_position_embeddings 2,048 x yarn factor 2 = 4,096" in reason
+    assert "TRL's generate does not stop there" in reason
