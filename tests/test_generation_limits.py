@@ -89,3 +89,24 @@ def test_generate_stops_at_the_positions_with_the_rope_scaling_given(capsys):
     reason = scaled["generation"]["limited_by"]
     assert "original_max_position_embeddings 2,048 x yarn factor 2 = 4,096" in reason
     assert "TRL's generate does not stop there" in reason
+
+
+def test_none_fits_beside_vllms_share_names_it_and_sleep_mode(capsys, monkeypatch):
+    """At vllm_gpu_memory_utilization 0.9 without sleep mode vLLM's share stays during the step
+    and leaves it too little: "none fits" says that the share took the memory and that sleep mode
+    gives it back (all but what asleep vLLM keeps)."""
+    from test_estimate import simulate_once
+
+    args = ["--preset", "tiny", "--trainer", "grpo", "--num-generations", "2", "--modes", "checkpointing",
+            "--granularity", "256", "--prompt-length", "64", "--device-memory", "13.6", "--use-vllm",
+            "--vllm-gpu-memory-utilization", "0.9"]  # fmt: skip
+    simulate_once(monkeypatch)
+    result = estimate_json(capsys, *args)["modes"]["checkpointing"]
+    share = result["generation"]["vllm"]
+    assert result["max_seq_len"] is None
+    words = result["max_seq"]["none_fits"]["vllm_during_step"]
+    assert f"vLLM's share ({share['share_bytes'] / 2**30:.2f} GiB: vllm_gpu_memory_utilization 0.9" in words
+    assert f"sleep mode (--vllm-enable-sleep-mode, GRPOConfig.vllm_enable_sleep_mode) gives back all but " \
+           f"{share['asleep_bytes'] / 2**30:.2f} GiB" in words  # fmt: skip
+    assert main(["estimate", *args]) == 0
+    assert words in capsys.readouterr().out

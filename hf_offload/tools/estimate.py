@@ -812,7 +812,8 @@ def none_fits_json(entry: ModeEstimate) -> dict | None:
     step, usable, fixed, floor = found
     return {"seq_len": step.seq_len, "peak_bytes": step.peak_bytes, "usable_bytes": usable,
             "fixed_bytes": floor, "fixed_parts_at_peak": fixed, "workspace_bytes": step.workspace_bytes,
-            "generation": entry.generation_reason or None}  # fmt: skip
+            "generation": entry.generation_reason or None,
+            "vllm_during_step": entry.generation.during_step_words(usable) if entry.generation else None}  # fmt: skip
 
 
 def _none_fits_lines(entry: ModeEstimate, request: Request) -> list[str]:
@@ -833,6 +834,9 @@ def _none_fits_lines(entry: ModeEstimate, request: Request) -> list[str]:
                      f"{size(floor)} of {size(usable)}: {verdict}")  # fmt: skip
     if entry.generation is not None and entry.generation_longest is None and entry.generation.how.on_this_gpu:
         lines.append(f"generation: {entry.generation_reason}")
+    if found is not None and entry.generation is not None:
+        share = entry.generation.during_step_words(found[1])
+        lines.extend([share] if share else [])
     return lines
 
 

@@ -136,6 +136,21 @@ class GenerationPlan:
             return self.resident + self.simulated.peak_bytes(completion) + self.workspace
         return self.resident + self.vllm.requested + self.workspace
 
+    def during_step_words(self, step_memory: int) -> str | None:
+        """Where the step fits at no length beside colocated vLLM: what vLLM's share took from it,
+        and what sleep mode gives back (None: vLLM keeps nothing during the step)."""
+        if self.vllm is None or not self.during_step:
+            return None
+        share = self.vllm
+        took = (f"vLLM's share ({share.requested / GIB:.2f} GiB: vllm_gpu_memory_utilization "
+                f"{self.how.vllm_gpu_memory_utilization:g} of the GPU) stays on it during the step, which had "
+                f"{step_memory / GIB:.2f} GiB")  # fmt: skip
+        if self.how.vllm_enable_sleep_mode:
+            return f"{took}: asleep vLLM keeps {share.asleep / GIB:.2f} GiB (its CUDA graphs, what is outside PyTorch)"
+        return (f"{took}: sleep mode (--vllm-enable-sleep-mode, GRPOConfig.vllm_enable_sleep_mode) gives back all but "
+                f"{share.asleep / GIB:.2f} GiB of it during the step; a smaller --vllm-gpu-memory-utilization "
+                "gives back the rest of what it does not need")  # fmt: skip
+
     def length_cap(self) -> tuple[int | None, str]:
         """The longest completion the model's positions allow after the prompt (with vLLM: its
         max_model_len), memory aside, and what sets it; None: nothing does."""
@@ -181,7 +196,8 @@ class GenerationPlan:
         share = self.vllm
         if self.resident + share.requested + self.workspace > memory:
             return None, (f"vLLM's share ({share.requested / GIB:.2f} GiB) and the trainer's weights and optimizer "
-                          f"state ({self.resident / GIB:.2f} GiB) exceed the device")  # fmt: skip
+                          f"state ({self.resident / GIB:.2f} GiB) exceed the device while it generates (sleep mode "
+                          "does not help then: give a smaller --vllm-gpu-memory-utilization)")  # fmt: skip
         if share.kv_bytes <= 0:
             return None, f"vLLM's share leaves no KV cache ({share.kv_bytes / GIB:.2f} GiB)"
         given = self.how.vllm_max_model_length
