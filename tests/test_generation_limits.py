@@ -110,3 +110,46 @@ def test_none_fits_beside_vllms_share_names_it_and_sleep_mode(capsys, monkeypatc
            f"{share['asleep_bytes'] / 2**30:.2f} GiB" in words  # fmt: skip
     assert main(["estimate", *args]) == 0
     assert words in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("version", ["0.21.9", "0.22.0", "0.31.0", "0.31.1"])
+def test_the_vllm_range_is_trls_own(monkeypatch, version):
+    """--vllm-version takes what TRL 1.16's own check accepts without a warning, and refuses the rest."""
+    import importlib
+    import warnings
+
+    from hf_offload.tools.generation_limits import check_vllm_version
+
+    import_utils = importlib.import_module("trl.import_utils")
+    monkeypatch.setattr(import_utils, "_is_package_available", lambda *_a, **_k: (True, version))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert import_utils.is_vllm_available()
+    trl_accepts = not any("TRL currently supports vLLM versions" in str(w.message) for w in caught)
+    if trl_accepts:
+        assert check_vllm_version(version) == version
+    else:
+        with pytest.raises(ValueError, match="TRL 1.16 supports vLLM versions from 0.22.0 to 0.31.0"):
+            check_vllm_version(version)
+
+
+def test_a_four_bit_policy_with_colocated_vllm_is_refused_where_vllm_cannot_load_it(capsys, monkeypatch):
+    """TRL passes quantization="bitsandbytes" for a 4-bit policy; on a vLLM without it (the default,
+    the newest TRL accepts) that does not start: refused before the model loads, in TRL's and vLLM's
+    words. An older release is taken, and the answer names the releases it assumes."""
+
+    def loaded(*_args, **_kwargs):
+        raise AssertionError("the model was loaded before the refusal")
+
+    qlora = ["--preset", "tiny", "--lora-rank", "4", "--load-in-4bit", "--trainer", "grpo", "--num-generations", "2",
+             "--modes", "checkpointing", "--use-vllm", "--seq-len", "256", "--optimizer-states", "0"]  # fmt: skip
+    with monkeypatch.context() as patched:
+        patched.setattr("hf_offload.tools.presets.preset_config", loaded)
+        with pytest.raises(SystemExit):
+            main(["estimate", *qlora])
+    err = capsys.readouterr().err
+    assert 'LLM(..., quantization="bitsandbytes")' in err
+    assert 'vLLM 0.31.0 answers "Unknown quantization method: bitsandbytes"' in err and "--vllm-version" in err
+    result = estimate_json(capsys, *qlora, "--vllm-version", "0.30")
+    releases = result["modes"]["checkpointing"]["generation"]["vllm_releases"]
+    assert releases.startswith("vLLM 0.22.0 up to before 0.31.0") and "--vllm-version 0.30.0" in releases

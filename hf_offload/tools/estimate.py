@@ -29,7 +29,7 @@ from hf_offload.tools.devices import (
     Device,
     compute_seconds,
 )
-from hf_offload.tools.generation_limits import check_generation, model_positions
+from hf_offload.tools.generation_limits import check_generation, model_positions, vllm_range
 from hf_offload.tools.grpo_generation import (
     VLLM_ASSUMPTIONS,
     VLLM_MAX_NUM_BATCHED_TOKENS,
@@ -232,6 +232,7 @@ def generation_json(entry: ModeEstimate) -> dict:
             "cuda_graph_bytes": share.graphs, "non_torch_bytes": share.non_torch, "kv_cache_bytes": share.kv_bytes,
             "asleep_bytes": share.asleep, "assumptions": VLLM_ASSUMPTIONS,
         },
+        "vllm_releases": vllm_range(plan.how.vllm_version, plan.four_bit) if plan.how.use_vllm else None,
         "during_step_bytes": plan.during_step,
         "trainer_resident_bytes": plan.resident,  # weights, the reference model's, optimizer state
         "workspace_bytes": plan.workspace,
@@ -517,7 +518,8 @@ def _generation_plan(simulator: Simulator, request: Request, mode: str) -> Gener
         profile = simulator.generate("none", rows=1, prompt_length=VLLM_MAX_NUM_BATCHED_TOKENS)
         share = vllm_share(simulator, training.device, how, profile.prefill.peak_bytes, memory=request.memory_bytes)
     return GenerationPlan(how, trl.generation_rows, trl.prompt_length, simulated, simulator.resident_bytes,
-                          training.device.workspace_bytes, share, model_positions(request.config))  # fmt: skip
+                          training.device.workspace_bytes, share, model_positions(request.config),
+                          training.four_bit)  # fmt: skip
 
 
 def _with_generation(entry: ModeEstimate, plan: GenerationPlan, simulator: Simulator, request: Request, run) -> None:
@@ -727,6 +729,8 @@ def _generation_how_lines(estimate: Estimate) -> list[str]:
     trl = estimate.request.training.trl
     how = trl.generation
     lines = [f"  generation: {how.describe()}, {trl.generation_rows} rows decoded together (the generation batch)"]
+    if how.use_vllm:
+        lines.append(f"    vLLM releases assumed: {vllm_range(how.vllm_version, estimate.request.training.four_bit)}")
     if how.colocated:
         lines.append(f"    vLLM assumed (not run here): {VLLM_ASSUMPTIONS}")
     elif not how.use_vllm:

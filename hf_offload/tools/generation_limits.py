@@ -31,6 +31,14 @@ _LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_le
 _UNSCALED = ("su", "longrope", "llama3", "default")
 # What `--rope-scaling` accepts: the types whose factor stretches the positions.
 ROPE_TYPES = ("yarn", "linear", "dynamic")
+# TRL 1.16's accepted vLLM releases (trl/import_utils.py, is_vllm_available: it warns outside them).
+TRL_VLLM_RANGE = ("0.22.0", "0.31.0")
+DEFAULT_VLLM_VERSION = TRL_VLLM_RANGE[1]  # the newest TRL 1.16 accepts
+# vLLM releases that answer `quantization="bitsandbytes"` with "Unknown quantization method":
+# bitsandbytes left vLLM's built-in quantizations (seen in 0.31 and 0.34, issue 44). The last
+# release that still loads it is not established here: 0.22-0.30 are assumed to.
+VLLM_WITHOUT_BITSANDBYTES = "0.31.0"
+
 
 @dataclass(frozen=True)
 class Positions:
@@ -121,12 +129,59 @@ def vllm_max_model_len(positions: Positions | None, given: int | None) -> tuple[
     return given, f"vLLM's max_model_len (vllm_max_model_length {given:,})"
 
 
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split("."))
+
+
+def check_vllm_version(text: str) -> str:
+    """`--vllm-version`: a release TRL 1.16 accepts (its own range), as X.Y or X.Y.Z."""
+    if not re.fullmatch(r"[0-9]+\.[0-9]+(\.[0-9]+)?", text):
+        raise ValueError(f"{text!r} is not a vLLM release (give X.Y or X.Y.Z, e.g. {DEFAULT_VLLM_VERSION})")
+    low, high = TRL_VLLM_RANGE
+    version = _version(text if text.count(".") == 2 else text + ".0")
+    if not _version(low) <= version <= _version(high):
+        raise ValueError(f"{text}: TRL 1.16 supports vLLM versions from {low} to {high} (trl's is_vllm_available "
+                         "warns outside them); the estimate models those")  # fmt: skip
+    return text if text.count(".") == 2 else text + ".0"
+
+
+def loads_bitsandbytes(version: str) -> bool:
+    """Whether this vLLM release takes TRL's `quantization="bitsandbytes"` (`VLLM_WITHOUT_BITSANDBYTES`)."""
+    return _version(version) < _version(VLLM_WITHOUT_BITSANDBYTES)
+
+
+def refuse_four_bit_vllm(version: str) -> None:
+    """A 4-bit policy with colocated vLLM on a release that cannot load bitsandbytes: refused in
+    TRL's and vLLM's words, before anything is simulated."""
+    if loads_bitsandbytes(version):
+        return
+    low = TRL_VLLM_RANGE[0]
+    raise ValueError(
+        f"a 4-bit policy with colocated vLLM {version} does not start: TRL finds bitsandbytes' Linear4bit in the "
+        "policy and builds LLM(..., quantization=\"bitsandbytes\") (trl/generation/vllm_generation.py), and vLLM "
+        f"{version} answers \"Unknown quantization method: bitsandbytes\" (it left vLLM's built-in quantizations; "
+        f"seen from {VLLM_WITHOUT_BITSANDBYTES}): give --vllm-version from {low} to the last release before "
+        f"{VLLM_WITHOUT_BITSANDBYTES}, train without --load-in-4bit, or use --vllm-mode server with a 16-bit model"
+    )
+
+
+def vllm_range(version: str, four_bit) -> str:
+    """The vLLM releases an answer for `version` assumes (`four_bit`: the policy's 4-bit setup, or None)."""
+    low, high = TRL_VLLM_RANGE
+    if four_bit:
+        return (f"vLLM {low} up to before {VLLM_WITHOUT_BITSANDBYTES} (TRL 1.16 accepts {low}-{high}; a 4-bit policy "
+                f"needs vLLM's bitsandbytes loader, gone from {VLLM_WITHOUT_BITSANDBYTES}), --vllm-version {version}")
+    return f"vLLM {low}-{high} (TRL 1.16's range), --vllm-version {version}"
+
+
 def check_generation(config, training) -> None:
     """What vLLM would refuse at start under TRL 1.16, refused before anything is simulated."""
     trl = training.trl
     if trl is None or trl.trainer != "grpo" or not trl.generation.use_vllm:
         return
     how = trl.generation
+    if how.colocated and training.four_bit is not None:
+        refuse_four_bit_vllm(how.vllm_version)
     tokens, _ = vllm_max_model_len(model_positions(config), how.vllm_max_model_length)
     if tokens is not None and tokens <= trl.prompt_length:
         raise ValueError(f"vLLM's max_model_len {tokens:,} leaves no completion after a {trl.prompt_length:,}-token "

@@ -119,6 +119,7 @@ class GenerationPlan:
     workspace: int
     vllm: VllmShare | None = None
     positions: Positions | None = None  # the model's positions, with its rope scaling (generation_limits)
+    four_bit: object | None = None  # the policy's 4-bit setup (simulator.FourBit), None: not 4-bit
 
     @property
     def during_step(self) -> int:
