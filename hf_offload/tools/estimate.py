@@ -36,6 +36,7 @@ from hf_offload.tools.grpo_generation import (
     CycleTime,
     GenerationPlan,
     cycle_time,
+    hold_generation,
     vllm_share,
 )
 from hf_offload.tools.modes import parse_mode
@@ -517,9 +518,11 @@ def _generation_plan(simulator: Simulator, request: Request, mode: str) -> Gener
     if how.colocated:
         profile = simulator.generate("none", rows=1, prompt_length=VLLM_MAX_NUM_BATCHED_TOKENS)
         share = vllm_share(simulator, training.device, how, profile.prefill.peak_bytes, memory=request.memory_bytes)
-    return GenerationPlan(how, trl.generation_rows, trl.prompt_length, simulated, simulator.resident_bytes,
+    plan = GenerationPlan(how, trl.generation_rows, trl.prompt_length, simulated, simulator.resident_bytes,
                           training.device.workspace_bytes, share, model_positions(request.config),
                           training.four_bit)  # fmt: skip
+    hold_generation(plan, simulator, mode, request.memory_bytes, request.granularity, request.seq_len)
+    return plan
 
 
 def _with_generation(entry: ModeEstimate, plan: GenerationPlan, simulator: Simulator, request: Request, run) -> None:

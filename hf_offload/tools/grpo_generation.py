@@ -300,3 +300,20 @@ def cycle_time(plan: GenerationPlan, completion: int, device: Device, *, step_se
     scoring = step_seconds * scoring_share * micro_batches
     training = step_seconds * (1 - scoring_share) * micro_batches
     return CycleTime(prefill, low, high, sync, scoring, training, steps, host_bound, waves, notes)
+
+
+def hold_generation(plan: GenerationPlan, simulator, mode: str, memory: int | None, granularity: int,
+                    seq_len: int) -> None:  # fmt: skip
+    """transformers' generate simulated again at the length it answers (on `memory` bytes) or, with
+    no memory given, at `seq_len`: its peak there as simulated, not extrapolated from the short run
+    (`simulator.generation.held_at_the_answer`). vLLM's answers do not use generate's peak."""
+    from hf_offload.tools.simulator.generation import held_at_the_answer, probed
+
+    if plan.how.use_vllm:
+        return
+    if memory is None:
+        plan.simulated = probed(simulator, mode, plan.simulated, seq_len)
+        return
+    cap, _ = plan.length_cap()
+    budget = memory - plan.resident - plan.workspace
+    plan.simulated = held_at_the_answer(simulator, mode, plan.simulated, budget, granularity=granularity, cap=cap)
