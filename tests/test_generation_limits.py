@@ -153,3 +153,25 @@ def test_a_four_bit_policy_with_colocated_vllm_is_refused_where_vllm_cannot_load
     result = estimate_json(capsys, *qlora, "--vllm-version", "0.30")
     releases = result["modes"]["checkpointing"]["generation"]["vllm_releases"]
     assert releases.startswith("vLLM 0.22.0 up to before 0.31.0") and "--vllm-version 0.30.0" in releases
+
+
+def test_a_four_bit_policys_weight_sync_crosses_the_host_twice():
+    """TRL's sync of a 4-bit policy merges and unmerges the adapters, and PEFT re-quantizes each
+    merged 4-bit weight from a CPU copy: every 4-bit weight crosses to the host and back in bf16,
+    twice; a bf16 policy's merge stays on the GPU (no host term)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hf_offload.tools.grpo_generation import PAGEABLE_GBPS, four_bit_merge_seconds
+    from hf_offload.tools.simulator import Simulator, Training, TrlStep
+    from hf_offload.tools.simulator.four_bit import FourBit
+
+    config = preset_config("tiny")
+    with torch.device("meta"):
+        plain = AutoModelForCausalLM.from_config(config)
+    linear = sum(m.weight.numel() for name, m in plain.named_modules()
+                 if isinstance(m, torch.nn.Linear) and name != "lm_head")  # fmt: skip
+    qlora = Simulator(config, Training(lora_rank=4, four_bit=FourBit("nf4", True, torch.bfloat16),
+                                       trl=TrlStep("grpo")))  # fmt: skip
+    assert four_bit_merge_seconds(qlora) == pytest.approx(4 * linear * 2 / (PAGEABLE_GBPS * 1e9))
+    assert four_bit_merge_seconds(Simulator(config, Training(lora_rank=4, trl=TrlStep("grpo")))) == 0

@@ -249,6 +249,7 @@ def generation_json(entry: ModeEstimate) -> dict:
             "decode_seconds_range": [cycle.decode_low, cycle.decode_high], "decode_steps": cycle.steps,
             "host_bound_steps": cycle.host_bound_steps, "weight_sync_seconds": cycle.sync,
             "scoring_seconds": cycle.scoring, "training_seconds": cycle.training, "waves": cycle.waves,
+            "notes": cycle.notes,
         },
     }  # fmt: skip
 
@@ -771,6 +772,7 @@ def _generation_lines(entry: ModeEstimate, request: Request) -> list[str]:
     cycle = entry.cycle
     if cycle is not None:
         lines.append(_cycle_line(entry))
+        lines.extend(f"  {note}" for note in cycle.notes)
     return lines
 
 
@@ -778,7 +780,9 @@ def _cycle_line(entry: ModeEstimate) -> str:
     cycle, plan = entry.cycle, entry.generation
     micro = plan.rows // (entry.step.batch_size or 1)
     host = f", {cycle.host_bound_steps:,} of them host-bound at the slow end" if cycle.host_bound_steps else ""
-    sync = f" + weight sync {cycle.sync:.1f} s" if cycle.sync else ""
+    sync = ""
+    if plan.how.use_vllm:  # TRL's push of the policy's weights into vLLM before each generation (modelled)
+        sync = f" + weight sync {cycle.sync * 1e3:.0f} ms" if cycle.sync < 1 else f" + weight sync {cycle.sync:.1f} s"
     return (
         f"one generation batch at {entry.cycle_length:,} tokens (simulated; time modelled): {_seconds(cycle.low)}-"
         f"{_seconds(cycle.high)} = generation {_seconds(cycle.generation_low)}-{_seconds(cycle.generation_high)} "

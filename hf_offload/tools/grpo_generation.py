@@ -211,6 +211,27 @@ class GenerationPlan:
         return (longest if longest > 0 else None), "one sequence in vLLM's KV cache"
 
 
+# Pageable host copies, the fast end of what the H200 measured (9-16 GB/s; DESIGN.md): PEFT's
+# 4-bit merge copies with `.to("cpu")` and `.to(device)`, not from pinned buffers.
+PAGEABLE_GBPS = 16.0
+
+
+def four_bit_merge_seconds(simulator) -> float:
+    """TRL's sync of a 4-bit policy with LoRA: `merge_adapter`, then `unmerge_adapter`. PEFT 0.22
+    (lora/bnb.py, Linear4bit.merge and unmerge) dequantizes each 4-bit weight, adds (or takes away)
+    the adapters' product and quantizes again from a CPU copy (`Params4bit(w_data.to("cpu"),
+    ...).to(weight.device)`): each 4-bit weight crosses to the host and back in bf16, twice."""
+    if not simulator.training.lora_rank or simulator.training.four_bit is None:
+        return 0.0
+    states = {}  # by identity: PEFT's LoRA layer shows its base layer's weight as its own
+    for module in simulator.base.modules():
+        state = getattr(getattr(module, "weight", None), "quant_state", None)
+        if state is not None:
+            states[id(state)] = state
+    quantized = sum(math.prod(state.shape) for state in states.values())
+    return 2 * 2 * quantized * 2 / (PAGEABLE_GBPS * 1e9)
+
+
 @dataclass
 class CycleTime:
     """One generation batch's seconds: generation (prefill, decode, weight sync), scoring (the
@@ -285,15 +306,30 @@ def cycle_time(plan: GenerationPlan, completion: int, device: Device, *, step_se
         waves = math.ceil(plan.rows / concurrent)
         bytes_line = (read + concurrent * plan.prompt_length * kv, concurrent * kv)
         scale = concurrent / plan.rows
-        low, high, host_bound = decode_seconds(device, bytes_line, (flops[0] * scale, flops[1] * scale), steps=steps)
+        lone = (plan.prompt_length * kv, kv) if concurrent == 1 else None  # one long row at a time
+        low, high, host_bound = decode_seconds(device, bytes_line, (flops[0] * scale, flops[1] * scale), steps=steps,
+                                               lone_kv=lone)  # fmt: skip
+        if lone is not None and found.kv_efficiency_batch_1 is not None:
+            notes.append(
+                f"one row at a time: the slow end reads its KV cache at {found.kv_efficiency_batch_1:.2f} of the "
+                "memory bandwidth, as vLLM 0.4.2 did at 200K tokens (Llama-3-8B, one H800: 30 ms a token, "
+                "lmdeploy#1608); the fast end at the batch-1 CUDA graph step's"
+            )
         low, high = low * waves, high * waves
         # TRL pushes the trainer's weights into vLLM before each generation (PEFT: merged, then unmerged):
         # a copy on this GPU when colocated, over NCCL to the server (the peer link assumed) when not.
         merges = 2 * 2 * base_weights if simulator.training.lora_rank else 0
+        round_trip = four_bit_merge_seconds(simulator)
+        if round_trip:
+            notes.append(
+                f"weight sync: PEFT merges a 4-bit layer through the host (the bf16 weight to the CPU and back, "
+                f"quantized again; unmerged the same way): {round_trip:.1f} s at {PAGEABLE_GBPS:g} GB/s, pageable "
+                "copies (9-16 GB/s measured on the H200: up to 1.8x more)"
+            )
         if plan.how.colocated:
-            sync = (2 * base_weights + merges) / bandwidth
+            sync = (2 * base_weights + merges) / bandwidth + round_trip
         else:
-            sync = merges / bandwidth + base_weights / (device.peer_gbps * 1e9)
+            sync = merges / bandwidth + base_weights / (device.peer_gbps * 1e9) + round_trip
             notes.append("the server's GPUs timed as this one")
         if waves > 1:
             notes.append(f"vLLM's KV cache holds {concurrent} of the {plan.rows} rows at once: {waves} waves")
