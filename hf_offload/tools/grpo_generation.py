@@ -223,8 +223,10 @@ def four_bit_merge_seconds(simulator) -> float:
     ...).to(weight.device)`): each 4-bit weight crosses to the host and back in bf16, twice."""
     if not simulator.training.lora_rank or simulator.training.four_bit is None:
         return 0.0
-    states = {}  # by identity: PEFT's LoRA layer shows its base layer's weight as its own
+    states = {}  # by identity; PEFT's LoRA layer (it has a base_layer) shows its base layer's weight as its own
     for module in simulator.base.modules():
+        if hasattr(module, "base_layer"):
+            continue
         state = getattr(getattr(module, "weight", None), "quant_state", None)
         if state is not None:
             states[id(state)] = state
