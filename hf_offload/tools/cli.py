@@ -405,6 +405,22 @@ def _add_trl_arguments(estimate: argparse.ArgumentParser) -> None:
         "--vllm-enable-sleep-mode", action="store_true",
         help="grpo, colocate: vLLM sleeps (level 2: weights and KV cache freed) while the step runs",
     )  # fmt: skip
+    group.add_argument(
+        "--vllm-max-model-length", type=_int_at_least(1, "vllm-max-model-length"), default=None, metavar="N",
+        help="grpo: vLLM's context, prompt and completion (GRPOConfig.vllm_max_model_length, TRL passes it as "
+        "LLM(max_model_len=N); default: vLLM derives it from the model's positions and refuses a longer one)",
+    )  # fmt: skip
+    group.add_argument(
+        "--vllm-version", type=_vllm_version, default=None, metavar="X.Y[.Z]",
+        help="grpo: the vLLM release assumed, within TRL 1.16's range (0.22.0-0.31.0; default the newest). A 4-bit "
+        "policy with colocated vLLM needs a release whose loader takes quantization=\"bitsandbytes\"",
+    )  # fmt: skip
+    group.add_argument(
+        "--rope-scaling", type=_rope_scaling, default=None, metavar="TYPE:FACTOR[:ORIGINAL]",
+        help="scale the model's RoPE positions as its config.json's rope_scaling would (yarn, linear or dynamic; "
+        "e.g. yarn:4:32768, as Qwen documents for Qwen3: 131,072 positions; ORIGINAL defaults to the config's "
+        "max_position_embeddings). GRPO's generation stops at the model's positions",
+    )  # fmt: skip
 
 
 def _trl_step(args: argparse.Namespace):
@@ -426,6 +442,8 @@ def _trl_step(args: argparse.Namespace):
         vllm_mode=args.vllm_mode or "colocate",
         vllm_gpu_memory_utilization=0.3 if utilization is None else utilization,
         vllm_enable_sleep_mode=args.vllm_enable_sleep_mode,
+        vllm_max_model_length=args.vllm_max_model_length,
+        vllm_version=args.vllm_version,
     )
     return TrlStep(
         args.trainer,
@@ -466,17 +484,27 @@ def _check_trl_arguments(args: argparse.Namespace, parser: argparse.ArgumentPars
         ("--vllm-mode", args.vllm_mode),
         ("--vllm-gpu-memory-utilization", args.vllm_gpu_memory_utilization),
         ("--vllm-enable-sleep-mode", args.vllm_enable_sleep_mode or None),
+        ("--vllm-max-model-length", args.vllm_max_model_length),
+        ("--vllm-version", args.vllm_version),
     )
     for option, value in vllm_options:
         if value is not None and not args.use_vllm:
             parser.error(f"argument {option}: configures vLLM: give --use-vllm too (TRL ignores it without use_vllm)")
-        if value is not None and option != "--vllm-mode" and args.vllm_mode == "server":
+        if value is not None and option not in ("--vllm-mode", "--vllm-version", "--vllm-max-model-length") \
+                and args.vllm_mode == "server":
             parser.error(f"argument {option}: is for --vllm-mode colocate (the server sizes its own GPUs)")
     if args.vllm_gpu_memory_utilization is not None and args.vllm_gpu_memory_utilization > 1:
         parser.error(
             f"argument --vllm-gpu-memory-utilization: a fraction of the GPU's memory in (0, 1], got "
             f"{args.vllm_gpu_memory_utilization:g}"
         )
+    if args.use_vllm and args.load_in_4bit and (args.vllm_mode or "colocate") == "colocate":
+        from .generation_limits import DEFAULT_VLLM_VERSION, refuse_four_bit_vllm
+
+        try:
+            refuse_four_bit_vllm(args.vllm_version or DEFAULT_VLLM_VERSION)
+        except ValueError as error:
+            parser.error(f"argument --use-vllm: {error}")
     if trainer is None:
         return
     if args.liger or any(parse_mode(mode).liger for mode in modes):
@@ -657,6 +685,13 @@ def _run_estimate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         config, name = preset_config(args.preset), f"{args.preset} preset"
     else:
         name = str(args.model)
+    if args.rope_scaling is not None:
+        from .generation_limits import with_rope_scaling
+
+        try:
+            config = with_rope_scaling(config, args.rope_scaling)
+        except ValueError as error:
+            parser.error(f"argument {error}")
     device = DEVICES[args.device or "h200"]
     memory_gib = args.device_memory or (device.memory_gib if args.device else None)
     memory = None if memory_gib is None else int(memory_gib * 2**30)
@@ -918,6 +953,24 @@ def _run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         args.seq_lens = args.seq_lens or [256, 512, 1024, 2048]
         args.steps = args.steps or 3
     return run_bench(args)
+
+
+def _vllm_version(text: str) -> str:
+    from .generation_limits import check_vllm_version
+
+    try:
+        return check_vllm_version(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _rope_scaling(text: str) -> dict:
+    from .generation_limits import parse_rope_scaling
+
+    try:
+        return parse_rope_scaling(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _positive_float(name: str) -> Callable[[str], float]:

@@ -29,12 +29,14 @@ from hf_offload.tools.devices import (
     Device,
     compute_seconds,
 )
+from hf_offload.tools.generation_limits import check_generation, model_positions, vllm_range
 from hf_offload.tools.grpo_generation import (
     VLLM_ASSUMPTIONS,
     VLLM_MAX_NUM_BATCHED_TOKENS,
     CycleTime,
     GenerationPlan,
     cycle_time,
+    hold_generation,
     vllm_share,
 )
 from hf_offload.tools.modes import parse_mode
@@ -232,6 +234,7 @@ def generation_json(entry: ModeEstimate) -> dict:
             "cuda_graph_bytes": share.graphs, "non_torch_bytes": share.non_torch, "kv_cache_bytes": share.kv_bytes,
             "asleep_bytes": share.asleep, "assumptions": VLLM_ASSUMPTIONS,
         },
+        "vllm_releases": vllm_range(plan.how.vllm_version, plan.four_bit) if plan.how.use_vllm else None,
         "during_step_bytes": plan.during_step,
         "trainer_resident_bytes": plan.resident,  # weights, the reference model's, optimizer state
         "workspace_bytes": plan.workspace,
@@ -247,6 +250,7 @@ def generation_json(entry: ModeEstimate) -> dict:
             "decode_seconds_range": [cycle.decode_low, cycle.decode_high], "decode_steps": cycle.steps,
             "host_bound_steps": cycle.host_bound_steps, "weight_sync_seconds": cycle.sync,
             "scoring_seconds": cycle.scoring, "training_seconds": cycle.training, "waves": cycle.waves,
+            "notes": cycle.notes,
         },
     }  # fmt: skip
 
@@ -297,6 +301,7 @@ def run_estimate(request: Request, *, echo=print, jobs: int | None = None) -> Es
     started = time.perf_counter()
     for mode in request.modes:
         parse_mode(mode)  # a bad name fails before anything runs
+    check_generation(request.config, request.training)  # what vLLM would refuse, before anything runs
     simulator = Simulator(request.config, request.training)
     request, notes = within_positions(request, simulator.positions)
     estimate = Estimate(request, positions=simulator.positions, notes=notes)
@@ -532,8 +537,11 @@ def _generation_plan(simulator: Simulator, request: Request, mode: str) -> Gener
     if how.colocated:
         profile = simulator.generate("none", rows=1, prompt_length=VLLM_MAX_NUM_BATCHED_TOKENS)
         share = vllm_share(simulator, training.device, how, profile.prefill.peak_bytes, memory=request.memory_bytes)
-    return GenerationPlan(how, trl.generation_rows, trl.prompt_length, simulated, simulator.resident_bytes,
-                          training.device.workspace_bytes, share)  # fmt: skip
+    plan = GenerationPlan(how, trl.generation_rows, trl.prompt_length, simulated, simulator.resident_bytes,
+                          training.device.workspace_bytes, share, model_positions(request.config),
+                          training.four_bit)  # fmt: skip
+    hold_generation(plan, simulator, mode, request.memory_bytes, request.granularity, request.seq_len)
+    return plan
 
 
 def _with_generation(entry: ModeEstimate, plan: GenerationPlan, simulator: Simulator, request: Request, run) -> None:
@@ -777,6 +785,8 @@ def _generation_how_lines(estimate: Estimate) -> list[str]:
     trl = estimate.request.training.trl
     how = trl.generation
     lines = [f"  generation: {how.describe()}, {trl.generation_rows} rows decoded together (the generation batch)"]
+    if how.use_vllm:
+        lines.append(f"    vLLM releases assumed: {vllm_range(how.vllm_version, estimate.request.training.four_bit)}")
     if how.colocated:
         lines.append(f"    vLLM assumed (not run here): {VLLM_ASSUMPTIONS}")
     elif not how.use_vllm:
@@ -814,6 +824,7 @@ def _generation_lines(entry: ModeEstimate, request: Request) -> list[str]:
     cycle = entry.cycle
     if cycle is not None:
         lines.append(_cycle_line(entry))
+        lines.extend(f"  {note}" for note in cycle.notes)
     return lines
 
 
@@ -821,7 +832,9 @@ def _cycle_line(entry: ModeEstimate) -> str:
     cycle, plan = entry.cycle, entry.generation
     micro = plan.rows // (entry.step.batch_size or 1)
     host = f", {cycle.host_bound_steps:,} of them host-bound at the slow end" if cycle.host_bound_steps else ""
-    sync = f" + weight sync {cycle.sync:.1f} s" if cycle.sync else ""
+    sync = ""
+    if plan.how.use_vllm:  # TRL's push of the policy's weights into vLLM before each generation (modelled)
+        sync = f" + weight sync {cycle.sync * 1e3:.0f} ms" if cycle.sync < 1 else f" + weight sync {cycle.sync:.1f} s"
     return (
         f"one generation batch at {entry.cycle_length:,} tokens (simulated; time modelled): {_seconds(cycle.low)}-"
         f"{_seconds(cycle.high)} = generation {_seconds(cycle.generation_low)}-{_seconds(cycle.generation_high)} "
@@ -862,7 +875,8 @@ def none_fits_json(entry: ModeEstimate) -> dict | None:
     step, usable, fixed, floor = found
     return {"seq_len": step.seq_len, "peak_bytes": step.peak_bytes, "usable_bytes": usable,
             "fixed_bytes": floor, "fixed_parts_at_peak": fixed, "workspace_bytes": step.workspace_bytes,
-            "generation": entry.generation_reason or None}  # fmt: skip
+            "generation": entry.generation_reason or None,
+            "vllm_during_step": entry.generation.during_step_words(usable) if entry.generation else None}  # fmt: skip
 
 
 def _none_fits_lines(entry: ModeEstimate, request: Request) -> list[str]:
@@ -883,6 +897,9 @@ def _none_fits_lines(entry: ModeEstimate, request: Request) -> list[str]:
                      f"{size(floor)} of {size(usable)}: {verdict}")  # fmt: skip
     if entry.generation is not None and entry.generation_longest is None and entry.generation.how.on_this_gpu:
         lines.append(f"generation: {entry.generation_reason}")
+    if found is not None and entry.generation is not None:
+        share = entry.generation.during_step_words(found[1])
+        lines.extend([share] if share else [])
     return lines
 
 

@@ -94,8 +94,19 @@ class TrlGeneration:
     vllm_mode: str = "colocate"
     vllm_gpu_memory_utilization: float = 0.3
     vllm_enable_sleep_mode: bool = False
+    # LLM(max_model_len=...) as TRL 1.16 passes it (None: vLLM derives it from the model's config).
+    vllm_max_model_length: int | None = None
+    # The vLLM release assumed (not a GRPOConfig field: what is installed beside TRL); None: the
+    # newest TRL 1.16 accepts (`generation_limits`).
+    vllm_version: str | None = None
 
     def __post_init__(self) -> None:
+        from hf_offload.tools.generation_limits import DEFAULT_VLLM_VERSION, check_vllm_version
+
+        object.__setattr__(self, "vllm_version", check_vllm_version(self.vllm_version or DEFAULT_VLLM_VERSION))
+        if self.vllm_max_model_length is not None and self.vllm_max_model_length < 1:
+            raise ValueError(f"vllm_max_model_length must be a positive number of tokens, got "
+                             f"{self.vllm_max_model_length}")  # fmt: skip
         if self.vllm_mode not in VLLM_MODES:
             raise ValueError(f"vllm_mode must be one of {', '.join(VLLM_MODES)}, got {self.vllm_mode!r}")
         if not 0 < self.vllm_gpu_memory_utilization <= 1:
