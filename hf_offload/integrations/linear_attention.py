@@ -32,6 +32,7 @@ is registered in transformers (by `register_ulysses`, or by accelerate's or the 
 
 from __future__ import annotations
 
+import functools
 import re
 import sys
 import types
@@ -146,12 +147,30 @@ def _mixers_in(root: nn.Module, family: str = "") -> list[tuple[str, nn.Module]]
     return named
 
 
+def config_of(model: object):
+    """The transformers config of a model, through PEFT, DDP, FSDP and DeepSpeed engine wrappers
+    (or a config itself)."""
+    seen = 0
+    while seen < 8:
+        if hasattr(model, "get_text_config") and hasattr(model, "model_type"):  # a config
+            return model
+        config = getattr(model, "config", None)
+        if config is not None and hasattr(config, "get_text_config"):
+            return config
+        inner = getattr(model, "module", None)
+        if inner is None:
+            break
+        model, seen = inner, seen + 1
+    raise TypeError(
+        f"sequence parallelism needs a transformers model (or its config), got {type(model).__name__} "
+        "without a transformers config"
+    )
+
+
 def token_mixers(model: nn.Module) -> list[TokenMixer]:
     """The modules of `model`'s decoder layers that mix tokens outside softmax attention,
     outermost only (a Mamba mixer, not its convolution as well), in model order."""
-    from .sequence_parallel import _config_of
-
-    config = _config_of(model)
+    config = config_of(model)
     text = config.get_text_config()
     kinds = _layer_types(text)
     family = type(config).__name__.removesuffix("Config")
@@ -195,9 +214,7 @@ def _describe(mixers: list[TokenMixer]) -> str:
 
 
 def _key_heads(model_or_config) -> int | None:
-    from .sequence_parallel import _config_of
-
-    heads = getattr(_config_of(model_or_config).get_text_config(), "linear_num_key_heads", None)
+    heads = getattr(config_of(model_or_config).get_text_config(), "linear_num_key_heads", None)
     return heads if isinstance(heads, int) else None
 
 
@@ -206,9 +223,7 @@ def check_token_mixers(model_or_config, sp_size: int) -> list[TokenMixer]:
     (its class, its layer type, its layers, and what would work); for the Gated DeltaNet run
     exactly, that `sp_size` divides its key heads. A config (no modules to look at) is judged by
     its `layer_types`. Returns the mixers found (all exact, if it returns)."""
-    from .sequence_parallel import _config_of
-
-    config = _config_of(model_or_config)
+    config = config_of(model_or_config)
     if isinstance(model_or_config, nn.Module):
         mixers = token_mixers(model_or_config)
     else:
@@ -241,6 +256,24 @@ def check_token_mixers(model_or_config, sp_size: int) -> list[TokenMixer]:
     return mixers
 
 
+# Whether this forward runs Ulysses's exchange at all, where something narrower than "Ulysses is
+# registered" decides: register_ulysses's shard rule (`hf_offload.integrations.sequence_parallel`,
+# which sets it; this module does not import that one). Called with the position_ids the decoder
+# layer holding the Gated DeltaNet was given (the same tensor in a checkpoint's recompute).
+_FORWARD_RULE: list = []  # [callable(position_ids) -> bool]
+_LAYER_POSITIONS: dict = {}  # id(the Gated DeltaNet) -> the position_ids its decoder layer was given
+
+
+def set_forward_rule(rule) -> None:
+    """`rule(position_ids)` decides, per forward, whether the Gated DeltaNets run across the ranks;
+    None removes it (then: whenever Ulysses's attention is registered)."""
+    _FORWARD_RULE[:] = [] if rule is None else [rule]
+
+
+def _record_positions(mixer: nn.Module, layer: nn.Module, args, kwargs) -> None:
+    _LAYER_POSITIONS[id(mixer)] = kwargs.get("position_ids")
+
+
 def prepare_linear_attention(model: nn.Module, sp_size: int) -> int:
     """Check `model`'s token mixers for Ulysses over `sp_size` ranks (`check_token_mixers`), then
     make each Gated DeltaNet run across the SP group whenever Ulysses's attention exchange runs (an
@@ -250,11 +283,17 @@ def prepare_linear_attention(model: nn.Module, sp_size: int) -> int:
         return 0
     check_token_mixers(model, sp_size)
     count = 0
+    layers = _decoder_layers(model) or []
     for module in model.modules():
         if is_exact_gated_deltanet(module):
             if not getattr(module, PREPARED_ATTR, False):
                 module.forward = types.MethodType(_forward_across_ranks, module)
-                setattr(module, PREPARED_ATTR, True)
+                holders = [layer for layer in layers if any(child is module for child in layer.modules())]
+                handles = [
+                    layer.register_forward_pre_hook(functools.partial(_record_positions, module), with_kwargs=True)
+                    for layer in holders[:1]
+                ]
+                setattr(module, PREPARED_ATTR, handles)
             count += 1
     return count
 
@@ -262,8 +301,12 @@ def prepare_linear_attention(model: nn.Module, sp_size: int) -> int:
 def release_linear_attention(model: nn.Module) -> None:
     """Put the class's own forward back on every layer `prepare_linear_attention` changed."""
     for module in model.modules():
-        if getattr(module, PREPARED_ATTR, False):
+        handles = getattr(module, PREPARED_ATTR, False)
+        if handles is not False:
             module.__dict__.pop("forward", None)
+            for handle in handles if isinstance(handles, list) else ():
+                handle.remove()
+            _LAYER_POSITIONS.pop(id(module), None)
             delattr(module, PREPARED_ATTR)
 
 
@@ -276,25 +319,42 @@ class Exchange:
     rank: int
 
 
+ULYSSES_MODULE = "deepspeed.runtime.sequence_parallel.ulysses_sp"
+
+
+def ulysses_of(wrapper, kind: type):
+    """The `UlyssesSPAttentionHF` DeepSpeed's registered wrapper calls (held in its closure:
+    DeepSpeed returns only the mpu), or None."""
+    for cell in getattr(wrapper, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(value, kind):
+            return value
+    return None
+
+
 def active_exchange(module: nn.Module) -> Exchange | None:
     """The exchange Ulysses's attention would run now for a module in `module.training` mode: the
     registered DeepSpeed Ulysses attention's group, or None (none registered, or registered off in
     eval mode and the module is in eval mode)."""
     if resolve("deepspeed.sequence_parallel_group") is None:
         return None
-    from .sequence_parallel import ULYSSES_MODULE, _ulysses_of
-
     if ULYSSES_MODULE not in sys.modules:
         return None
     kind = resolve("deepspeed.ulysses_attention")
-    for wrapper in list(resolve("transformers.local_attention_functions").values()):
+    for registered in list(resolve("transformers.local_attention_functions").values()):
+        wrapper = getattr(registered, "_hf_offload_exchange", registered)  # register_ulysses's gate: DeepSpeed's behind
         if getattr(wrapper, "__module__", None) != ULYSSES_MODULE:
             continue
-        instance = _ulysses_of(wrapper, kind)
+        instance = ulysses_of(wrapper, kind)
         if instance is None:
             continue
         if not module.training and instance.disable_in_eval:
             return None
+        if _FORWARD_RULE and not _FORWARD_RULE[0](_LAYER_POSITIONS.get(id(module))):
+            return None  # register_ulysses: not a shard (a rank's own rows, generate): the layer runs whole
         return Exchange(instance.process_group, instance.world_size, instance.sp_rank)
     return None
 

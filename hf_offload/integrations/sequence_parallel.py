@@ -55,7 +55,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .linear_attention import check_token_mixers, prepare_linear_attention
+from .linear_attention import ULYSSES_MODULE, check_token_mixers, prepare_linear_attention, set_forward_rule, ulysses_of
+from .linear_attention import config_of as _config_of
 from .upstream import announce, present, resolve
 
 IGNORE_INDEX = -100
@@ -93,26 +94,6 @@ def _deepspeed():
             f"(deepspeed.runtime.sequence_parallel.ulysses_sp): {INSTALL_HINT}"
         ) from error
     return deepspeed
-
-
-def _config_of(model: object):
-    """The transformers config of a model, through PEFT, DDP, FSDP and DeepSpeed engine wrappers
-    (or a config itself)."""
-    seen = 0
-    while seen < 8:
-        if hasattr(model, "get_text_config") and hasattr(model, "model_type"):  # a config
-            return model
-        config = getattr(model, "config", None)
-        if config is not None and hasattr(config, "get_text_config"):
-            return config
-        inner = getattr(model, "module", None)
-        if inner is None:
-            break
-        model, seen = inner, seen + 1
-    raise TypeError(
-        f"sequence parallelism needs a transformers model (or its config), got {type(model).__name__} "
-        "without a transformers config"
-    )
 
 
 def _valid_sizes(heads: int, kv_heads: int) -> list[int]:
@@ -672,7 +653,6 @@ def register_ulysses(model: nn.Module, sp_size: int, micro_batch_size: int = 1) 
 # calling attention is tiled over heads (`adopt_ulysses`), each with the registered function it
 # was found through.
 _ADOPTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-ULYSSES_MODULE = "deepspeed.runtime.sequence_parallel.ulysses_sp"
 
 
 def adopt_ulysses(implementation: str) -> None:
@@ -694,7 +674,7 @@ def adopt_ulysses(implementation: str) -> None:
     if not present("deepspeed.ulysses_attention"):
         announce("deepspeed.ulysses_attention")
         return
-    instance = _ulysses_of(wrapper, resolve("deepspeed.ulysses_attention"))
+    instance = ulysses_of(wrapper, resolve("deepspeed.ulysses_attention"))
     if instance is None or not all(hasattr(instance, name) for name in _ULYSSES_ATTRIBUTES):
         # DeepSpeed's wrapper holding its attention some other way, or a release that renamed what the
         # chunked forward reads: DeepSpeed's own forward runs.
@@ -706,19 +686,6 @@ def adopt_ulysses(implementation: str) -> None:
 
 # What `_forward_in_head_chunks` reads of DeepSpeed's UlyssesSPAttentionHF instance.
 _ULYSSES_ATTRIBUTES = ("world_size", "process_group", "attn")
-
-
-def _ulysses_of(wrapper, kind: type):
-    """The `UlyssesSPAttentionHF` DeepSpeed's registered wrapper calls (held in its closure:
-    DeepSpeed returns only the mpu), or None."""
-    for cell in getattr(wrapper, "__closure__", None) or ():
-        try:
-            value = cell.cell_contents
-        except ValueError:  # an empty cell
-            continue
-        if isinstance(value, kind):
-            return value
-    return None
 
 
 def release_ulysses() -> None:
@@ -854,6 +821,7 @@ def unregister_ulysses() -> None:
     for handle in _REGISTERED.get("hooks", ()):
         handle.remove()
     disarm_shard()
+    set_forward_rule(None)
     resolve("deepspeed.release_groups")()
     _REGISTERED.clear()
 
@@ -983,6 +951,18 @@ def through_exchange(query: torch.Tensor, key: torch.Tensor, kwargs: dict) -> bo
     return decision
 
 
+def _forward_decision(positions) -> bool:
+    """The decision `through_exchange` makes for the forward that fed these position_ids, without
+    taking it (the Gated DeltaNets of a hybrid run before its first softmax attention): for
+    `linear_attention.set_forward_rule`."""
+    pending = _PENDING[0] if _PENDING else None
+    known = _decided(positions)
+    if pending is not None and (pending[1] is positions or known is None):
+        _decide(positions, pending[0])
+        return pending[0]
+    return bool(known)
+
+
 def _gate_exchange(model: object, implementation: str, local) -> list:
     """Put the gate in front of DeepSpeed's registered function: a shard goes through the exchange,
     every other forward to the attention Ulysses wraps, with its mask (DeepSpeed's function drops it)
@@ -1018,6 +998,7 @@ def _gate_exchange(model: object, implementation: str, local) -> list:
     except (TypeError, ValueError):
         signature = inspect.Signature()
     hook = functools.partial(_mark_forward, signature)
+    set_forward_rule(_forward_decision)
     return [backbone.register_forward_pre_hook(hook, with_kwargs=True)]
 
 
