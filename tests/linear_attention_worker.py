@@ -152,7 +152,37 @@ def scenario_refused() -> dict:
     return errors
 
 
+def scenario_own_rows() -> dict:
+    """register_ulysses, then each rank's own rows, whole (generate with and without a cache in both
+    modes, a DPO-like step, the eval loss: tests/sequence_parallel_worker.py's checks) on Qwen3.5:
+    its Gated DeltaNets follow the exchange's decision and run whole on the rank's own rows, plain and
+    with checkpointing and tiling. Companion: the forward rule forced on, the Gated DeltaNets run
+    across the ranks' different rows."""
+    model_type = HYBRIDS[0]
+    results = {}
+    for name, recipe in (("plain", {}), ("checkpointing+tiling", {"checkpointing": True, "tiling": True})):
+        model = hybrid(model_type, spw.SP, **recipe)
+        expected = spw.own_rows_checks(model)
+        sp.register_ulysses(model, spw.SP, micro_batch_size=spw.ROWS)
+        try:
+            results[name] = spw.compare_own_rows(expected, spw.own_rows_checks(model))
+        finally:
+            sp.unregister_ulysses()
+    model = hybrid(model_type, spw.SP)
+    expected = spw.own_rows_checks(model)
+    sp.register_ulysses(model, spw.SP, micro_batch_size=spw.ROWS)
+    linear_attention.set_forward_rule(lambda positions: True)
+    try:
+        loss, eval_loss, grads = spw.preference_step(model)
+    finally:
+        sp.unregister_ulysses()
+    results["forced"] = spw.compare_own_rows(expected, {**expected, "loss": loss, "eval_loss": eval_loss,
+                                                         "grads": grads})  # fmt: skip
+    return results
+
+
 SCENARIOS = {
+    "own_rows": scenario_own_rows,
     "hybrids": scenario_hybrids,
     "qwen3_5": lambda: scenario_hybrids(HYBRIDS[:1]),
     "left_on_the_shard": scenario_left_on_the_shard,
@@ -163,7 +193,7 @@ SCENARIOS = {
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--scenarios", default="hybrids,left_on_the_shard,refused")
+    parser.add_argument("--scenarios", default="hybrids,left_on_the_shard,refused,own_rows")
     args = parser.parse_args()
 
     import deepspeed

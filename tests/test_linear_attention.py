@@ -92,6 +92,25 @@ def test_a_gated_deltanet_left_on_the_shard_is_caught(runs):
         assert result["loss_rel"] > 100 * LOSS and result["grad_rel"] > 1e-2, result
 
 
+@pytest.mark.parametrize("recipe", ["plain", "checkpointing+tiling"])
+def test_a_hybrids_own_rows_run_as_one_process_under_register_ulysses(runs, recipe):
+    """After register_ulysses, what is not a shard (generate with and without a cache, train and
+    eval mode; a DPO-like step on each rank's own rows; the eval loss) runs its Gated DeltaNets whole
+    on the rank's rows, as softmax attention does (the gate's decision, `set_forward_rule`): one
+    process's tokens, loss and gradients, bit for bit."""
+    for rank, ranks in enumerate(runs["own_rows"]):
+        assert "error" not in ranks, ranks.get("traceback")
+        result = ranks[recipe]
+        assert all(result["same_tokens"].values()), f"rank {rank}: {result['same_tokens']}"
+        assert result["loss_rel"] == 0.0 and result["eval_loss_rel"] == 0.0 and result["grad_rel"] == 0.0, result
+
+
+def test_a_gated_deltanet_exchanging_a_ranks_own_rows_is_caught(runs):
+    """Companion: the Gated DeltaNets forced across the ranks on the own rows (the rule ignored) move
+    the gradients on every rank."""
+    assert all(ranks["forced"]["grad_rel"] > 1e-3 for ranks in runs["own_rows"]), runs["own_rows"]
+
+
 def test_register_ulysses_refuses_other_mixers_by_name(runs):
     """Jamba's Mamba layers and LFM2's short convolutions: register_ulysses refuses them on every
     rank, naming the class, the layer type and the layers, before anything runs."""

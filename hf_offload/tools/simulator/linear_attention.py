@@ -220,7 +220,8 @@ def linear_attention_lines(config) -> list[str]:
 
 def refuse_linear_attention_under_sp(config, sp_size: int) -> None:
     """A hybrid model under Ulysses needs an exchange around its linear-attention layers (their
-    heads split across the ranks over the whole sequence), which the simulator does not model:
+    heads split across the ranks over the whole sequence: integrations/linear_attention.py), which the
+    simulator does not model yet:
     refused by name rather than estimated as if each rank's layers saw only its own shard."""
     text = config.get_text_config()
     layers = [i for i, kind in enumerate(getattr(text, "layer_types", None) or ()) if kind == "linear_attention"]
@@ -229,8 +230,8 @@ def refuse_linear_attention_under_sp(config, sp_size: int) -> None:
         raise ValueError(
             f"--sp {sp_size}: {type(text).__name__} ({text.model_type}) has {len(layers)} 'linear_attention' layers "
             f"(Gated DeltaNet; layers {shown}); under sequence parallelism they need an exchange of their own (each "
-            "rank's heads over the whole sequence), which the estimate does not simulate yet: estimate one GPU "
-            "(no --sp)"
+            "rank's heads over the whole sequence); training runs it exactly (register_ulysses, "
+            "docs/sequence_parallel.md), but the estimate does not simulate it yet: estimate one GPU (no --sp)"
         )
 
 
