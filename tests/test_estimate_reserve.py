@@ -11,9 +11,10 @@ from test_cli_arguments import error_of, nothing_loaded  # noqa: F401 (nothing_l
 from test_estimate import estimate_json, restore_logging  # noqa: F401 (restore_logging: an autouse fixture)
 
 from hf_offload.tools import estimate as estimate_module
+from hf_offload.tools import reserve as reserve_module
+from hf_offload.tools.cli import main
 from hf_offload.tools.devices import DEVICES
-from hf_offload.tools.simulator import reserve as reserve_module
-from hf_offload.tools.simulator.reserve import device_reserve
+from hf_offload.tools.reserve import device_reserve
 
 GIB = 2**30
 MIB = 2**20
@@ -160,6 +161,10 @@ def test_the_host_is_the_preset_machines_unless_unlimited_is_asked(capsys, model
     assert machine["setup"]["host_memory_bytes"] == int(device.host_memory_gib * GIB)
     assert machine["host"]["node_ram_bytes"] == int(device.host_memory_gib * device.gpus_per_node * GIB)
     assert "DGX H100" in machine["host"]["source"]
+    assert main(["estimate", *base]) == 0
+    out = capsys.readouterr().out
+    assert "host memory per rank: 256.00 GiB (the h100-80gb preset's machine, per GPU (NVIDIA DGX H100" in out
+    assert "left free for what a real run allocates beside the step" in out and "    allocator: " in out
     unlimited = estimate_json(capsys, *base, "--unlimited-host")
     assert unlimited["setup"]["host_memory_bytes"] is None
     assert unlimited["host"] is None or unlimited["host"]["source"] == "unlimited"

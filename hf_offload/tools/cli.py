@@ -642,7 +642,7 @@ def _check_reserve_arguments(args: argparse.Namespace, parser: argparse.Argument
     """`--reserve NAME=GIB ...`: known names, numbers, and only items the run has."""
     if args.reserve is None:
         return
-    from .simulator.reserve import parse_reserve
+    from .reserve import parse_reserve
 
     try:
         args.reserve_bytes = parse_reserve(args.reserve)

@@ -38,9 +38,9 @@ from hf_offload.tools.grpo_generation import (
     vllm_share,
 )
 from hf_offload.tools.modes import parse_mode
+from hf_offload.tools.reserve import Reserve, device_reserve
 from hf_offload.tools.simulator import PositionTable, Simulator, StepResult, Training, composition
 from hf_offload.tools.simulator.generation import DECODE_STEPS
-from hf_offload.tools.simulator.reserve import Reserve, device_reserve
 from hf_offload.tools.simulator.search import LONGEST, LongestSequence, Probe, longest_sequence, search_lengths
 from hf_offload.tools.simulator.tiers import (
     DEFAULT_DISK_GBPS,
@@ -72,7 +72,7 @@ class Request:
     efficiency: float | None = None
     disk_gbps: float | None = None  # the disk tier's rate (None: DEFAULT_DISK_GBPS)
     seq_len_given: bool = True  # False: the default length, which a model's position table may cap
-    # The reserve the longest sequence leaves free (`simulator.reserve`): items replaced by name, in
+    # The reserve the longest sequence leaves free (`tools/reserve.py`): items replaced by name, in
     # bytes (None: every item's default); `reserve_bytes` is what `run_estimate` found in all.
     reserve: dict[str, int] | None = None
     reserve_bytes: int = 0
@@ -460,7 +460,7 @@ def fit_host(request: Request, simulator: Simulator) -> tuple[Request, HostPlan 
 
 
 def run_reserve(request: Request, simulator: Simulator) -> Reserve:
-    """The reserve of `request`'s run (`simulator.reserve.device_reserve`), from its model: the
+    """The reserve of `request`'s run (`reserve.device_reserve`), from its model: the
     units ZeRO-3 gathers (for its prefetch) and whether anything trains."""
     training = request.training
     units = ()
@@ -972,8 +972,9 @@ def _host_lines(estimate: Estimate, best: ModeEstimate | None) -> list[str]:
     if at is None:
         return []
     return [
-        f"  past this host's {size(training.host_memory_bytes)} of RAM, a disk tier (enable_activation_offloading("
-        f"disk_dir=...), {disk_request.disk_rate:g} GB/s) reaches {entry.longest.max_seq_len:,} tokens: "
+        f"  past the {size(training.host_memory_bytes)} of host RAM hf_offload draws on, a disk tier "
+        f"(enable_activation_offloading(disk_dir=...), {disk_request.disk_rate:g} GB/s) reaches "
+        f"{entry.longest.max_seq_len:,} tokens: "
         f"{_tiers_needed(at, disk_request)}"
     ]
 
@@ -1079,7 +1080,7 @@ def _setup_line(request: Request, host: HostPlan | None = None) -> str:
     host_bytes = training.host_memory_bytes
     host_text = "unlimited host memory" if host_bytes is None else f"{size(host_bytes)} of host memory"
     if host is not None:  # the rank's RAM, ZeRO-3's share of it included
-        host_text = f"{size(host.ram_bytes)} of host memory per rank"
+        host_text = f"{size(host.ram_bytes)} of host memory"
     if training.disk_memory_bytes is not None:
         host_text += f" and {size(training.disk_memory_bytes)} of disk at {request.disk_rate:g} GB/s"
     tiles = "" if training.tile_tokens is None else f", {training.tile_tokens} tokens per tiled slice"
