@@ -187,7 +187,7 @@ def device_reserve(
         prefetched = prefetch_elements(unit, bucket) * dtype_bytes
         held = sum(unit) * dtype_bytes
         items.append(Item(
-            "prefetch", "ZeRO-3's prefetch beyond the gathered next layer", max(prefetched - held, 0),
+            "prefetch", "ZeRO-3's prefetch beyond the next unit gathered whole", max(prefetched - held, 0),
             f"stage3_prefetch_bucket_size {bucket:.3g} elements, DeepSpeed {version}: "
             f"{prefetched / MIB:.0f} MiB gathered ahead (the last parameter past the bucket included), the "
             f"simulated step holds the whole next layer ({held / MIB:.0f} MiB)",
