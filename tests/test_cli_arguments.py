@@ -204,6 +204,7 @@ FAIL_BEFORE_TORCH = [
     (["estimate", "--bnb-4bit-quant-type", "nf4"], "describes a 4-bit base: give --load-in-4bit too"),
     (["estimate", "--load-in-4bit"], "a 4-bit base is trained through adapters: give --lora-rank"),
     (["estimate", "--modes", "hf_offload_auto"], "hf_offload_auto reads the device's free memory"),
+    (["estimate", "--device", "h100-80gb", "--reserve", "buckets=1"], "argument --reserve: 'buckets=1': unknown item"),
     (["demo", "--steps", "0"], "argument --steps: steps must be >= 1, got 0"),
     (["demo", "--device", "CUDA:x"], "argument --device: 'CUDA:x' is not a torch device; use cpu, cuda or cuda:N"),
     (["demo", "--model", "/no/such/model"], "argument --model: '/no/such/model' is not a local directory"),

@@ -242,9 +242,20 @@ def _add_estimate_command(commands: argparse._SubParsersAction) -> None:
         type=_positive_float("host-memory"),
         default=None,
         metavar="GIB",
-        help="host RAM in GiB: hf_offload may use 80%% of it, and tensors over that stay on the device "
-        "(default: unlimited; the output says what is needed)",
+        help="host RAM per GPU (per rank) in GiB: ZeRO-3's share of the weights and optimizer (--offload-params) "
+        "comes out of it, hf_offload may use 80%% of the rest, and tensors over that stay on the device (default: "
+        "with --device, the host memory per GPU of the machine that GPU comes in, --list-devices; without, unlimited)",
     )
+    estimate.add_argument(
+        "--unlimited-host", action="store_true",
+        help="no limit on host memory (the output says how much the answer needs per node)",
+    )  # fmt: skip
+    estimate.add_argument(
+        "--reserve", nargs="+", default=None, metavar="NAME=GIB",
+        help="device memory the longest sequence leaves free, by item: reduce_bucket and prefetch (ZeRO-3), nccl "
+        "(with --sp), allocator, extra (added); default: each item from DeepSpeed's, torch's and NCCL's defaults, "
+        "shown in the output",
+    )  # fmt: skip
     estimate.add_argument(
         "--disk-memory",
         type=_positive_float("disk-memory"),
@@ -613,11 +624,14 @@ def _check_estimate_arguments(args: argparse.Namespace, parser: argparse.Argumen
 
     if args.efficiency is not None and args.efficiency > 1:
         parser.error(f"argument --efficiency: must be a fraction in (0, 1], got {args.efficiency}")
-    if args.disk_memory is not None and args.host_memory is None:
+    if args.unlimited_host and args.host_memory is not None:
+        parser.error(f"argument --unlimited-host: not with --host-memory {args.host_memory:g} (choose one)")
+    if args.disk_memory is not None and (args.unlimited_host or (args.host_memory is None and args.device is None)):
         parser.error(
-            f"argument --disk-memory: {args.disk_memory:g} GiB of disk needs --host-memory GIB (with unlimited host "
-            "memory nothing goes to disk)"
+            f"argument --disk-memory: {args.disk_memory:g} GiB of disk needs --host-memory GIB or --device's machine "
+            "(with unlimited host memory nothing goes to disk)"
         )
+    _check_reserve_arguments(args, parser)
     if args.disk_gbps is not None and args.disk_memory is None:
         parser.error(f"argument --disk-gbps: {args.disk_gbps:g} GB/s needs --disk-memory GIB (no disk tier without it)")
     if args.sp > 1 and args.padded:
@@ -651,6 +665,28 @@ def _check_estimate_arguments(args: argparse.Namespace, parser: argparse.Argumen
         if base.endswith("_auto") and args.device_memory is None and args.device is None:
             parser.error(f"argument --modes: {mode} reads the device's free memory: give --device-memory or --device")
     return modes
+
+
+def _check_reserve_arguments(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """`--reserve NAME=GIB ...`: known names, numbers, and only items the run has."""
+    if args.reserve is None:
+        return
+    from .reserve import parse_reserve
+
+    try:
+        args.reserve_bytes = parse_reserve(args.reserve)
+    except ValueError as error:
+        parser.error(f"argument --reserve: {error}")
+    if args.device is None and args.device_memory is None:
+        parser.error("argument --reserve: the reserve is what the longest sequence leaves free: give --device or "
+                     "--device-memory")  # fmt: skip
+    needs = {"reduce_bucket": (args.offload_params, "--offload-params (ZeRO-3)"),
+             "prefetch": (args.offload_params, "--offload-params (ZeRO-3)"),
+             "nccl": (args.sp > 1, "more than one rank (--sp N)")}  # fmt: skip
+    for name in args.reserve_bytes:
+        present, what = needs.get(name, (True, ""))
+        if not present:
+            parser.error(f"argument --reserve: this run has no {name} (it comes only with {what})")
 
 
 def _run_estimate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -696,6 +732,10 @@ def _run_estimate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     memory_gib = args.device_memory or (device.memory_gib if args.device else None)
     memory = None if memory_gib is None else int(memory_gib * 2**30)
     targets = args.lora_targets if args.lora_targets == "all-linear" else tuple(args.lora_targets.split(","))
+    # The host: given, the named device's machine's per GPU, or unlimited (asked for, or no machine named).
+    host_gib, host_from = args.host_memory, "given" if args.host_memory is not None else None
+    if host_gib is None and args.device is not None and not args.unlimited_host:
+        host_gib, host_from = device.host_memory_gib, "device"
     training = Training(
         dtype=getattr(torch, DTYPES[args.dtype]),
         lora_rank=args.lora_rank,
@@ -705,7 +745,7 @@ def _run_estimate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         batch_size=args.batch_size,
         keep_last_layers=args.keep_last_layers,
         prefetch_layers=args.prefetch_layers,
-        host_memory_bytes=None if args.host_memory is None else int(args.host_memory * 2**30),
+        host_memory_bytes=None if host_gib is None else int(host_gib * 2**30),
         disk_memory_bytes=None if args.disk_memory is None else int(args.disk_memory * 2**30),
         device=device,
         device_memory_bytes=memory,
@@ -734,6 +774,8 @@ def _run_estimate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         link_gbps=args.link_gbps,
         efficiency=args.efficiency,
         disk_gbps=args.disk_gbps,
+        reserve=getattr(args, "reserve_bytes", None),
+        host_from=host_from,
     )
     # transformers and the engine speak up about what the simulation does on purpose (checkpointing
     # turns the cache off, the CPU has no accelerator); the estimate reports what matters.

@@ -40,6 +40,7 @@ from hf_offload.tools.grpo_generation import (
     vllm_share,
 )
 from hf_offload.tools.modes import parse_mode
+from hf_offload.tools.reserve import Reserve, device_reserve
 from hf_offload.tools.simulator import PositionTable, Simulator, StepResult, Training, composition
 from hf_offload.tools.simulator.generation import DECODE_STEPS
 from hf_offload.tools.simulator.linear_attention import linear_attention_lines
@@ -74,6 +75,13 @@ class Request:
     efficiency: float | None = None
     disk_gbps: float | None = None  # the disk tier's rate (None: DEFAULT_DISK_GBPS)
     seq_len_given: bool = True  # False: the default length, which a model's position table may cap
+    # The reserve the longest sequence leaves free (`tools/reserve.py`): items replaced by name, in
+    # bytes (None: every item's default); `reserve_bytes` is what `run_estimate` found in all.
+    reserve: dict[str, int] | None = None
+    reserve_bytes: int = 0
+    # Where `training.host_memory_bytes` (the host RAM per rank) comes from: "device" (the device
+    # preset's machine), "given" (--host-memory), or None (unlimited).
+    host_from: str | None = None
 
     @property
     def disk_rate(self) -> float:
@@ -113,6 +121,8 @@ class Estimate:
     with_disk: tuple[Request, ModeEstimate] | None = None
     positions: PositionTable | None = None  # the model's table of positions, which caps every length
     notes: list[str] = field(default_factory=list)  # what the estimate changed in the request, and why
+    reserve: Reserve | None = None  # what the longest sequence leaves free (with a device memory)
+    host: HostPlan | None = None  # the host RAM per rank and what ZeRO-3 takes of it
 
     def as_json(self) -> dict:
         """{"modes": {MODE: {"peak_bytes", "host_bytes", "offloaded_bytes", "flops",
@@ -185,6 +195,10 @@ class Estimate:
                 }  # fmt: skip
         return {
             "longest": longest,
+            "reserve": None if self.reserve is None else {
+                **self.reserve.as_json(), "device_bytes": request.memory_bytes,
+                "step_bytes": request.memory_bytes - self.reserve.bytes},
+            "host": host_json(self, best),
             "setup": {
                 "model": request.name,
                 "dtype": str(training.dtype).removeprefix("torch."),
@@ -304,7 +318,12 @@ def run_estimate(request: Request, *, echo=print, jobs: int | None = None) -> Es
     check_generation(request.config, request.training)  # what vLLM would refuse, before anything runs
     simulator = Simulator(request.config, request.training)
     request, notes = within_positions(request, simulator.positions)
-    estimate = Estimate(request, positions=simulator.positions, notes=notes)
+    request, host = fit_host(request, simulator)
+    reserve = None
+    if request.memory_bytes is not None:
+        reserve = run_reserve(request, simulator)
+        request = replace(request, reserve_bytes=reserve.bytes)
+    estimate = Estimate(request, positions=simulator.positions, notes=notes, reserve=reserve, host=host)
     if request.training.trl is not None and request.training.trl.trainer == "grpo":
         rates()  # the decode model's constants, once, before any fork (grpo_generation's time)
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -413,6 +432,102 @@ def _one_thread() -> None:
     torch.set_num_threads(1)
 
 
+@dataclass(frozen=True)
+class HostPlan:
+    """The host RAM one rank has (`ram_bytes`, per GPU: the device preset's machine's or given),
+    and what ZeRO-3's offload keeps there: `zero3_bytes` over the whole group, `zero3_rank_bytes`
+    its share on each rank's host (partitioned over the `sp_size` ranks); hf_offload's budget is
+    its share of what is left (`training.host_budget_bytes`)."""
+
+    ram_bytes: int
+    source: str
+    zero3_bytes: int = 0
+    zero3_rank_bytes: int = 0
+    ranks_per_node: int = 1
+    node_ram_bytes: int | None = None  # the preset machine's, where it comes from one
+
+
+def ranks_per_node(training: Training) -> int:
+    """The ranks of the simulated run on one node: its sequence-parallel group, up to the preset
+    machine's GPUs (one rank without sequence parallelism: the step simulated is one GPU's)."""
+    return max(1, min(training.sp_size, training.device.gpus_per_node))
+
+
+def fit_host(request: Request, simulator: Simulator) -> tuple[Request, HostPlan | None]:
+    """`request` with the host RAM per rank that hf_offload may draw on: with ZeRO-3's offload
+    (`offload_params`), what its host copy of the weights, gradients and optimizer state leaves
+    of the rank's RAM (an error naming both where nothing is left). None: unlimited host."""
+    training = request.training
+    if training.host_memory_bytes is None:
+        return request, None
+    device = training.device
+    ranks = ranks_per_node(training)
+    from_device = request.host_from == "device"
+    source = f"the {device.name} preset's machine, per GPU ({device.host_source})" if from_device else "given"
+    plan = HostPlan(training.host_memory_bytes, source, ranks_per_node=ranks,
+                    node_ram_bytes=int(device.node_host_memory_gib * GIB) if from_device else None)  # fmt: skip
+    if simulator.param_offload is None:
+        return request, plan
+    zero3 = simulator.param_offload.host_bytes(training.optimizer_states)
+    share = -(-zero3 // training.sp_size)
+    left = training.host_memory_bytes - share
+    if left <= 0:
+        raise ValueError(
+            f"ZeRO-3's offload keeps {size(share)} per rank on the host ({size(zero3)} over {training.sp_size} "
+            f"rank(s)), more than the {size(training.host_memory_bytes)} of host memory per rank ({source}): give "
+            "--host-memory GIB (per GPU) larger, or --unlimited-host"
+        )
+    training = replace(training, host_memory_bytes=left)
+    simulator.training = training  # the host budget is read per step; the model built stays the same
+    return replace(request, training=training), replace(plan, zero3_bytes=zero3, zero3_rank_bytes=share)
+
+
+def run_reserve(request: Request, simulator: Simulator) -> Reserve:
+    """The reserve of `request`'s run (`reserve.device_reserve`), from its model: the
+    units ZeRO-3 gathers (for its prefetch) and whether anything trains."""
+    training = request.training
+    units = ()
+    if simulator.param_offload is not None:
+        units = [[p.numel() for p in unit] for unit in simulator.param_offload.units]
+    return device_reserve(
+        usable_bytes=request.memory_bytes, dtype_bytes=training.dtype.itemsize, sp_size=training.sp_size,
+        offload_params=training.offload_params, trainable=bool(simulator.trainable), units=units,
+        overrides=request.reserve,
+    )  # fmt: skip
+
+
+def host_needs(estimate: Estimate, entry: ModeEstimate | None) -> tuple[int, int, int] | None:
+    """At `entry`'s answer: hf_offload's pool per rank (host memory's share of it where a disk
+    tier takes the rest), ZeRO-3's host bytes per node, and the two together per node."""
+    if entry is None or entry.longest is None or entry.longest.at_max is None:
+        return None
+    at = entry.longest.at_max
+    pool = (at.tiers.host_bytes if at.tiers is not None else at.host_bytes) or 0
+    training = estimate.request.training
+    ranks = ranks_per_node(training)
+    zero3 = (at.params_host_bytes or 0) * ranks // training.sp_size
+    if not pool and not zero3:
+        return None
+    return pool, zero3, pool * ranks + zero3
+
+
+def host_json(estimate: Estimate, entry: ModeEstimate | None) -> dict | None:
+    host, needs = estimate.host, host_needs(estimate, entry)
+    if host is None and needs is None:
+        return None
+    item = {"ram_per_rank_bytes": None if host is None else host.ram_bytes,
+            "source": "unlimited" if host is None else host.source,
+            "node_ram_bytes": None if host is None else host.node_ram_bytes,
+            "zero3_per_rank_bytes": None if host is None else host.zero3_rank_bytes,
+            "hf_offload_budget_bytes": estimate.request.training.host_budget_bytes}  # fmt: skip
+    if needs is not None:
+        pool, zero3, total = needs
+        ranks = ranks_per_node(estimate.request.training)
+        item.update(seq_len=entry.longest.max_seq_len, hf_offload_per_rank_bytes=pool, ranks_per_node=ranks,
+                    zero3_per_node_bytes=zero3, per_node_bytes=total)  # fmt: skip
+    return item
+
+
 _worker_simulator: list = []  # a forked worker's model, built at its first mode
 
 
@@ -461,8 +576,9 @@ def _estimate_mode(simulator: Simulator, request: Request, mode: str, *, pair=No
     longest = slope = None
     capped = at_table = False
     if request.memory_bytes is not None:
-        # What generation keeps on the GPU during the step (vLLM colocated) is not the step's.
-        step_memory = request.memory_bytes - (plan.during_step if plan is not None else 0)
+        # What generation keeps on the GPU during the step (vLLM colocated) is not the step's, nor
+        # what a real run allocates beside it (the reserve).
+        step_memory = request.memory_bytes - (plan.during_step if plan is not None else 0) - request.reserve_bytes
         limit = None
         if plan is not None and plan.how.on_this_gpu:
             # Generation on this GPU bounds the answer, and it is known without searching the step:
@@ -768,7 +884,9 @@ def _headline_lines(estimate: Estimate) -> list[str]:
             lines.extend(f"    {line}" for line in _generation_lines(entry, request))
     lines.extend(_position_lines(estimate))
     best = longest_mode(estimate)
+    lines.extend(_reserve_lines(estimate))
     lines.extend(_host_lines(estimate, best))
+    lines.extend(_host_node_lines(estimate, best))
     if best is not None:
         model_type = getattr(request.config.get_text_config(), "model_type", "llama")
         steps = recipe(best.mode, model_type, request.training)
@@ -923,8 +1041,9 @@ def _host_lines(estimate: Estimate, best: ModeEstimate | None) -> list[str]:
     if at is None:
         return []
     return [
-        f"  past this host's {size(training.host_memory_bytes)} of RAM, a disk tier (enable_activation_offloading("
-        f"disk_dir=...), {disk_request.disk_rate:g} GB/s) reaches {entry.longest.max_seq_len:,} tokens: "
+        f"  past the {size(training.host_memory_bytes)} of host RAM hf_offload draws on, a disk tier "
+        f"(enable_activation_offloading(disk_dir=...), {disk_request.disk_rate:g} GB/s) reaches "
+        f"{entry.longest.max_seq_len:,} tokens: "
         f"{_tiers_needed(at, disk_request)}"
     ]
 
@@ -947,9 +1066,43 @@ def table(header: list[str], rows: list[list[str]], widths: tuple[int, ...]) -> 
     return lines
 
 
+def _reserve_lines(estimate: Estimate) -> list[str]:
+    """What the answer leaves free of the device's memory, item by item."""
+    reserve, memory = estimate.reserve, estimate.request.memory_bytes
+    if reserve is None:
+        return []
+    left = memory - reserve.bytes
+    within = f"so each step above peaks within {size(left)}" if left > 0 else "more than the device's memory"
+    lines = [f"  left free for what a real run allocates beside the step (--reserve NAME=GIB to change): "
+             f"{size(reserve.bytes)}, {within} of {size(memory)}"]  # fmt: skip
+    for item in reserve.items:
+        lines.append(f"    {item.name}: {item.what}: {size(item.bytes)} ({item.source})")
+    return lines
+
+
+def _host_node_lines(estimate: Estimate, best: ModeEstimate | None) -> list[str]:
+    """The host the answer needs per node, against the host it was given (per rank and node)."""
+    needs, host = host_needs(estimate, best), estimate.host
+    lines = []
+    if host is not None:
+        zero3 = f", ZeRO-3's share {size(host.zero3_rank_bytes)} of it" if host.zero3_rank_bytes else ""
+        budget = estimate.request.training.host_budget_bytes
+        share = f"{HOST_MEMORY_SHARE:.0%}"
+        lines.append(f"  host memory per rank: {size(host.ram_bytes)} ({host.source}){zero3}; hf_offload's "
+                     f"budget {size(budget)} (its {share} of the rest; --unlimited-host lifts it)")  # fmt: skip
+    if needs is not None:
+        pool, zero3, total = needs
+        node = None if host is None else host.node_ram_bytes
+        machine = "" if node is None else f" of the machine's {size(node)}"
+        ranks = ranks_per_node(estimate.request.training)
+        parts = f"hf_offload {size(pool)} x {ranks} rank(s)" + (f" + ZeRO-3 {size(zero3)}" if zero3 else "")
+        lines.append(f"  host per node at {best.longest.max_seq_len:,} tokens: {parts} = {size(total)}{machine}")
+    return lines
+
+
 def format_estimate(estimate: Estimate, *, device_given: bool) -> str:
     request = estimate.request
-    lines = [_setup_line(request), ""]
+    lines = [_setup_line(request, estimate.host), ""]
     if request.memory_bytes is not None:
         lines.extend(_headline_lines(estimate))
         lines.append("")
@@ -996,7 +1149,7 @@ def format_estimate(estimate: Estimate, *, device_given: bool) -> str:
     return "\n".join(lines)
 
 
-def _setup_line(request: Request) -> str:
+def _setup_line(request: Request, host: HostPlan | None = None) -> str:
     training = request.training
     dtype = str(training.dtype).removeprefix("torch.")
     if training.lora_rank is None:
@@ -1009,9 +1162,11 @@ def _setup_line(request: Request) -> str:
             tuning += f" on a {training.four_bit.describe()}"
     optimizer = "AdamW step" if training.optimizer_states else "no optimizer step (forward and backward)"
     host_bytes = training.host_memory_bytes
-    host = "unlimited host memory" if host_bytes is None else f"{size(host_bytes)} of host memory"
+    host_text = "unlimited host memory" if host_bytes is None else f"{size(host_bytes)} of host memory"
+    if host is not None:  # the rank's RAM, ZeRO-3's share of it included
+        host_text = f"{size(host.ram_bytes)} of host memory"
     if training.disk_memory_bytes is not None:
-        host += f" and {size(training.disk_memory_bytes)} of disk at {request.disk_rate:g} GB/s"
+        host_text += f" and {size(training.disk_memory_bytes)} of disk at {request.disk_rate:g} GB/s"
     tiles = "" if training.tile_tokens is None else f", {training.tile_tokens} tokens per tiled slice"
     if training.autocast is not None:
         dtype = f"{dtype} weights under {str(training.autocast).removeprefix('torch.')} autocast"
@@ -1028,8 +1183,8 @@ def _setup_line(request: Request) -> str:
             length = f"{request.seq_len}-token completions"
     return (
         f"{request.name}: {tuning}, {dtype}, batch {training.batch_size} x {length}{padded}, "
-        f"{optimizer}, {host}{tiles}; simulated on the meta device (the real step, without data: transformers, PEFT, "
-        f"checkpointing, hf_offload's engine, {step})"
+        f"{optimizer}, {host_text}{tiles}; simulated on the meta device (the real step, without data: transformers, "
+        f"PEFT, checkpointing, hf_offload's engine, {step})"
     )
 
 
