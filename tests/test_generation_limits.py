@@ -99,7 +99,7 @@ def test_none_fits_beside_vllms_share_names_it_and_sleep_mode(capsys, monkeypatc
 
     args = ["--preset", "tiny", "--trainer", "grpo", "--num-generations", "2", "--modes", "checkpointing",
             "--granularity", "256", "--prompt-length", "64", "--device-memory", "13.6", "--use-vllm",
-            "--vllm-gpu-memory-utilization", "0.9"]  # fmt: skip
+            "--vllm-gpu-memory-utilization", "0.9", "--reserve", "allocator=0"]  # fmt: skip
     simulate_once(monkeypatch)
     result = estimate_json(capsys, *args)["modes"]["checkpointing"]
     share = result["generation"]["vllm"]
