@@ -29,18 +29,19 @@ from importlib import metadata
 
 logger = logging.getLogger("hf_offload")
 
-# The versions every entry was checked on unless it says otherwise (2026-12-04): the newest releases
+# The versions every entry was checked on unless it says otherwise (2026-12-04; peft 0.22.0 and
+# huggingface-hub 2.5.0 on 2026-12-07): the newest releases
 # (.ci/run's install) and the lowest bounds pyproject.toml allows (.ci/oldest).
 CHECKED = {
     "transformers": "5.24.0, 5.25.0",
     "trl": "1.16.0",
-    "peft": "0.21.2",
+    "peft": "0.21.2, 0.22.0",
     "accelerate": "1.15.0, 1.16.0",
     "deepspeed": "0.19.8",
     "bitsandbytes": "0.50.0, 0.50.2",
     "kernels": "0.19.1",
     "liger-kernel": "0.8.5",
-    "huggingface-hub": "2.4.0",
+    "huggingface-hub": "2.4.0, 2.5.0",
 }
 
 ERROR = "error"  # missing: UpstreamChanged, naming library, version and feature
