@@ -934,14 +934,7 @@ def through_exchange(query: torch.Tensor, key: torch.Tensor, kwargs: dict) -> bo
     its first attention call from what its backbone was given, and found again by its position_ids
     for the next layers and for a checkpoint's recompute."""
     positions = kwargs.get("position_ids")
-    pending = _PENDING[0] if _PENDING else None
-    known = _decided(positions)
-    if pending is not None and (pending[1] is positions or known is None):  # a new forward, not a recompute
-        _PENDING.clear()
-        decision = pending[0]
-        _decide(positions, decision)
-    else:
-        decision = bool(known)
+    decision = _forward_decision(positions, take=True)
     if decision and (not torch.is_tensor(positions) or key.shape[-2] != query.shape[-2]):
         raise ValueError(
             "Ulysses: a forward fed the shard Ulysses.adapt yielded reached attention without its position_ids, or "
@@ -951,13 +944,17 @@ def through_exchange(query: torch.Tensor, key: torch.Tensor, kwargs: dict) -> bo
     return decision
 
 
-def _forward_decision(positions) -> bool:
-    """The decision `through_exchange` makes for the forward that fed these position_ids, without
-    taking it (the Gated DeltaNets of a hybrid run before its first softmax attention): for
-    `linear_attention.set_forward_rule`."""
+def _forward_decision(positions, take: bool = False) -> bool:
+    """Whether the forward that fed these position_ids runs through the exchange: a new forward's
+    decision (its backbone's, pending), kept with its position_ids; a recompute's, found by them.
+    `take`: the pending decision is used up (the first attention call); without it (the Gated
+    DeltaNets of a hybrid, which run before its first softmax attention: `linear_attention.
+    set_forward_rule`) the attention calls still find it."""
     pending = _PENDING[0] if _PENDING else None
     known = _decided(positions)
-    if pending is not None and (pending[1] is positions or known is None):
+    if pending is not None and (pending[1] is positions or known is None):  # a new forward, not a recompute
+        if take:
+            _PENDING.clear()
         _decide(positions, pending[0])
         return pending[0]
     return bool(known)
