@@ -269,6 +269,12 @@ INVENTORY: dict[str, Reliance] = {
         "bitsandbytes", "a 4-bit layer in eval mode without grad repacks its weight in place (CPU, AVX512-BF16)",
         "behaviour", "hf_offload/tiling/replay.py", "tiling a 4-bit base on the CPU", HELD,
         "tests/test_qlora.py::test_bitsandbytes_repacks_for_inference_on_an_eval_forward_without_grad"),
+    "transformers.gated_deltanet_structure": Reliance(
+        "transformers", "Qwen3.5's and Qwen3-Next's GatedDeltaNet: in_proj_qkvz/in_proj_qkv, in_proj_ba/in_proj_a/b, "
+        "conv1d, A_log, dt_bias, norm, out_proj, and its module's apply_mask_to_padding_states, causal_conv1d_fn, "
+        "torch_chunk_gated_delta_rule", "structure", "hf_offload/integrations/linear_attention.py",
+        "Gated DeltaNet across the SP ranks (its forward, re-run a rank's heads at a time)", HELD,
+        "tests/test_linear_attention.py::test_hybrids_under_ulysses_match_one_process", "5.25.0"),
     **{
         f"transformers.{module}.{function}": Reliance(
             "transformers", f"transformers.models.{module}.modeling_{module}:{name}", "replaced",
