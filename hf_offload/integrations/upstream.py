@@ -274,7 +274,7 @@ INVENTORY: dict[str, Reliance] = {
         "conv1d, A_log, dt_bias, norm, out_proj, and its module's apply_mask_to_padding_states, causal_conv1d_fn, "
         "torch_chunk_gated_delta_rule", "structure", "hf_offload/integrations/linear_attention.py",
         "Gated DeltaNet across the SP ranks (its forward, re-run a rank's heads at a time)", HELD,
-        "tests/test_linear_attention.py::test_hybrids_under_ulysses_match_one_process", "5.25.0"),
+        "tests/test_linear_attention.py::test_hybrids_under_ulysses_match_one_process", "5.24.0, 5.25.0"),
     **{
         f"transformers.{module}.{function}": Reliance(
             "transformers", f"transformers.models.{module}.modeling_{module}:{name}", "replaced",
