@@ -251,9 +251,45 @@ def scenario_refusals() -> dict:
     return {"errors": errors}
 
 
+def recipe() -> str:
+    """The python block after "### GRPO across GPUs with Ulysses" in docs/trl.md, as written there."""
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "trl.md")) as doc:
+        text = doc.read()
+    after = text[text.index("\n### GRPO across GPUs with Ulysses\n") :]
+    start = after.index("```python\n") + len("```python\n")
+    return after[start : after.index("```", start)]
+
+
+def scenario_docs_recipe() -> dict:
+    """The recipe of docs/trl.md run as written (its deepspeed.init_distributed finds the process group
+    up) on the tiny Llama and its tokenizer saved to a directory: 1 prompt, one step per epoch."""
+    fresh_state()
+    out = os.path.dirname(OUT)
+    path = os.path.join(out, "recipe_model")
+    if dist.get_rank() == 0:
+        tiny_model("llama", seed=0, vocab_size=VOCAB, pad_token_id=0, eos_token_id=1).save_pretrained(path)
+        token_ids_tokenizer().save_pretrained(path)
+    dist.barrier()
+    from datasets import Dataset
+
+    namespace = {"path": path, "dataset": Dataset.from_list([{"prompt": p} for p in prompts()[:1]]),
+                 "reward": reward, "completion_length": COMPLETION}  # fmt: skip
+    cwd = os.getcwd()
+    os.chdir(out)  # where the recipe's output directory goes
+    try:
+        exec(compile(recipe(), "docs/trl.md", "exec"), namespace)
+    finally:
+        os.chdir(cwd)
+    trainer = namespace["trainer"]
+    losses = [entry["train_loss"] for entry in trainer.state.log_history if "train_loss" in entry]
+    return {"steps": trainer.state.global_step, "epochs": trainer.args.num_train_epochs, "train_loss": losses,
+            "trainer": type(trainer).__name__}  # fmt: skip
+
+
 SCENARIOS = {
     "train": lambda: scenario_train(beta=0.1, num_iterations=2, loss_type="dapo", scale_rewards="batch"),
     "refusals": scenario_refusals,
+    "docs_recipe": scenario_docs_recipe,
 }
 
 

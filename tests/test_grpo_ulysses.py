@@ -188,3 +188,16 @@ def test_what_the_trainer_refuses(runs):
         assert errors["unregistered"].startswith("RuntimeError") and "call register_ulysses" in errors["unregistered"]
         assert "micro_batch_size=4)" in errors["rows"], errors["rows"]
         assert "evaluation (eval_dataset / eval_strategy" in errors["evaluation"], errors["evaluation"]
+
+
+def test_the_docs_recipe_runs_as_written(runs):
+    """docs/trl.md's "GRPO across GPUs with Ulysses" script, as written there, on 2 CPU ranks: it
+    trains its one prompt once per epoch (one step each: 4 generations, the group's batch) with
+    UlyssesGRPOTrainer, both ranks logging the same training loss."""
+    results, _ = runs
+    ranks = results["docs_recipe"]
+    for result in ranks:
+        assert "error" not in result, result.get("traceback", result.get("error"))
+        assert result["trainer"] == "UlyssesGRPOTrainer" and result["steps"] == result["epochs"] > 0
+        assert len(result["train_loss"]) == 1
+    assert ranks[0]["train_loss"] == ranks[1]["train_loss"]
