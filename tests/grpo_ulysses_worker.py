@@ -47,9 +47,9 @@ def token_ids_tokenizer():
 
 
 def prompts() -> list[str]:
-    """Prompts of 3 to 6 tokens: left padding in every batch."""
+    """Prompts of 2 to 9 tokens, each length once: left padding in every batch."""
     generator = torch.Generator().manual_seed(950)
-    lengths = [3, 6, 4, 5, 6, 3, 5, 4]
+    lengths = [3, 6, 4, 9, 2, 8, 5, 7]
     return [" ".join(str(int(i)) for i in torch.randint(20, VOCAB, (n,), generator=generator)) for n in lengths]
 
 
@@ -68,6 +68,8 @@ def grpo_args(out: str, **overrides):
     return GRPOConfig(
         **quiet_training_args(out, **settings), bf16=False, num_generations=GENERATIONS,
         max_completion_length=COMPLETION, gradient_checkpointing=True, model_init_kwargs={"dtype": torch.float64},
+        # Sampled among tokens 1 (eos) to 4 only: completions end early, of different lengths (right padding).
+        generation_kwargs={"suppress_tokens": [0, *range(5, VOCAB)]},
         **overrides,
     )  # fmt: skip
 

@@ -103,6 +103,11 @@ def test_grpo_steps_across_the_sp_group_match_one_process(runs, one_process):
     assert [r["grad_checksums"] for r in ranks] == [ranks[0]["grad_checksums"]] * NPROC
     calls, grads = tensors["calls"], tensors["grads"]
     assert len(calls) == len(grads) == 2
+    # What the slices must get right is there: left-padded prompts, completions of different lengths
+    # (right padding), rows whose length the SP size does not divide.
+    first = calls[0]["inputs"]
+    assert (first["prompt_mask"] == 0).any() and (first["completion_mask"] == 0).any()
+    assert (first["prompt_ids"].shape[1] + first["completion_ids"].shape[1]) % NPROC
     trainer = one_process
     load(trainer.model, tensors["initial"])
     reference_logps = per_token_logps(trainer, calls[0]["inputs"])  # the reference model = the initial weights
