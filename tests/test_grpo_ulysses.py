@@ -7,15 +7,20 @@ and replays TRL's compute_loss for every loss type GRPOConfig lists on the last 
 on one process, TRL's own GRPOTrainer (no Ulysses, no offloading, no tiling) scores the same
 completions at the same weights: the per-token log-probs (the policy's, the old and the reference
 model's), the loss and the gradients the optimizer stepped with must match.
+
+GRPO_ULYSSES_NPROC=4 runs the same on 4 ranks (one SP group of 4; ~1 min more on 2 cores, so not
+in the suite's default run).
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 from test_distributed import launch
 
-NPROC = 2
+NPROC = int(os.environ.get("GRPO_ULYSSES_NPROC", "2"))  # the ranks, all one SP group
 LAUNCH_TIMEOUT = 600  # a hang's guard; the launch takes ~40 s on 2 idle cores
 # The model is float64, but TRL 1.16's fused LM head (trl/kernels/chunked_logprob.py) accumulates its
 # logits and its backward in float32 and returns float32 log-probs: the gradients agree to float32's
