@@ -277,10 +277,8 @@ def _refusals(trainer, args) -> list[str]:
         refused.append(
             "DeepSpeed or FSDP (held with DDP only: group rank 0 generates alone, which needs unsharded weights)"
         )
-    if getattr(trainer, "eval_dataset", None) is not None or str(getattr(args, "eval_strategy", "no")) not in (
-        "no",
-        "IntervalStrategy.NO",
-    ):
+    strategy = getattr(args, "eval_strategy", "no")
+    if getattr(trainer, "eval_dataset", None) is not None or getattr(strategy, "value", strategy) != "no":
         refused.append("evaluation (eval_dataset / eval_strategy: its sampler gives each rank rows of its own)")
     if getattr(trainer, "_is_vlm", False):
         refused.append("a vision-language model (images are not split across the group)")
