@@ -6,6 +6,9 @@ tiling and checkpointing.
 What each rank saw is written for the test, which replays TRL's own GRPOTrainer on one process on
 the same completions at the same weights (rank 0 saves the tensors: every scored batch, the
 weights before it, the loss, the per-token log-probs and the gradients the optimizer stepped with).
+
+GRPO_ULYSSES_SP=2 with 4 ranks makes two SP groups of 2 (each group's rank 0 saves its tensors:
+tensors.pt, tensors_1.pt); tests/test_grpo_ulysses.py's checks are for one group.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ COMPLETION = 8
 TILE = 4
 LR = 0.05
 OUT = ""
+SP = 0  # the SP size: GRPO_ULYSSES_SP, else the world size (one group)
 
 
 def token_ids_tokenizer():
@@ -117,7 +121,7 @@ def build_trainer(path: str, out: str, record: dict, **config):
     from transformers import TrainerCallback
 
     model = policy(path)
-    sp.register_ulysses(model, dist.get_world_size(), micro_batch_size=ROWS)
+    sp.register_ulysses(model, SP, micro_batch_size=ROWS)
     base = grpo_ulysses.UlyssesGRPOTrainer
 
     class Recording(base):
@@ -196,7 +200,7 @@ def scenario_train(**config) -> dict:
     finally:
         grpo_ulysses.sums_over_sequence_parallel_ranks = original
     other = dict(inputs)
-    if dist.get_rank() == 1:
+    if dist.get_rank() % SP == 1:  # SP rank 1 of every group (DDP's forward is a collective of all ranks)
         other["completion_ids"] = other["completion_ids"].clone()
         other["completion_ids"][0, 0] = (other["completion_ids"][0, 0] + 1) % VOCAB
     try:
@@ -205,8 +209,9 @@ def scenario_train(**config) -> dict:
     except ValueError as error:
         result["other_completions_error"] = str(error)
     trainer.loss_type = "dapo"
-    if dist.get_rank() == 0:
-        torch.save(tensors, os.path.join(os.path.dirname(OUT), "tensors.pt"))
+    if dist.get_rank() % SP == 0:  # each group's rank 0: tensors.pt (group 0), tensors_1.pt, ...
+        group = dist.get_rank() // SP
+        torch.save(tensors, os.path.join(os.path.dirname(OUT), f"tensors{f'_{group}' if group else ''}.pt"))
     result["model_directory"] = path
     sp.unregister_ulysses()
     return result
@@ -237,7 +242,7 @@ def scenario_refusals() -> dict:
         fresh_state()
         model = policy(path)
         if register_rows is not None:
-            sp.register_ulysses(model, dist.get_world_size(), micro_batch_size=register_rows)
+            sp.register_ulysses(model, SP, micro_batch_size=register_rows)
         try:
             grpo_ulysses.UlyssesGRPOTrainer(model=model, reward_funcs=reward, args=grpo_args(out, **config),
                                             train_dataset=dataset, processing_class=token_ids_tokenizer(),
@@ -300,7 +305,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
     args = parser.parse_args()
-    global OUT
+    global OUT, SP
     OUT = os.path.abspath(args.out)
 
     import deepspeed
@@ -308,6 +313,7 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     deepspeed.init_distributed(dist_backend="gloo")
+    SP = int(os.environ.get("GRPO_ULYSSES_SP", "0")) or dist.get_world_size()
     results: dict[str, dict] = {}
     for name in args.scenarios.split(","):
         started = time.perf_counter()
