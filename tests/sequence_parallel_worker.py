@@ -1333,9 +1333,11 @@ def scenario_dpo_through_the_trainer() -> dict:
     from accelerate.utils import DeepSpeedSequenceParallelConfig
     from conftest import quiet_training_args
     from datasets import Dataset
+    from deepspeed.utils import groups
     from trl import DPOConfig, DPOTrainer, GRPOConfig, RLOOConfig
 
     restore_attention()
+    groups.mpu = None  # the earlier scenarios' engines left DeepSpeed the SP state's groups (released since)
     AcceleratorState._reset_state(True)
     GradientState._reset_state()
     PartialState._reset_state()

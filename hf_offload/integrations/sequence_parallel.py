@@ -4,9 +4,11 @@ Ulysses splits each sequence across the ranks of a sequence-parallel (SP) group:
 part of the model (embeddings, MLPs, norms, projections, the loss head) sees `seq / sp_size`
 tokens, and around the attention kernel an all-to-all trades tokens for heads, so attention sees
 the whole sequence with `heads / sp_size` heads. hf_offload's offloading and tiling work inside
-each rank unchanged. Nothing here is needed with accelerate or the Trainer, which drive Ulysses
-through `ParallelismConfig(sp_backend="deepspeed", sp_size=N)` (docs/sequence_parallel.md);
-`check_sequence_parallel` gives their bad input a clear error before they start.
+each rank unchanged. accelerate and the Trainer drive Ulysses themselves through
+`ParallelismConfig(sp_backend="deepspeed", sp_size=N)` (docs/sequence_parallel.md);
+`check_sequence_parallel` gives their bad input a clear error before they start, and gates their
+registration so that only the loader's shards go through the exchange (`generate` and evaluation
+attend locally).
 
 What this module adds to DeepSpeed's pieces, for a custom loop:
 
@@ -795,8 +797,9 @@ def _check_no_kv_cache(ulysses, module: nn.Module, query: torch.Tensor, key: tor
         f"a forward with a KV cache ({query.shape[-2]} new tokens against {key.shape[-2]} keys: generate's "
         "decoding) reached DeepSpeed's Ulysses exchange, which would treat the ranks' different rows as one sequence "
         "split across them. With accelerate's or the Trainer's Ulysses (ParallelismConfig(sp_backend='deepspeed')), "
-        "call model.eval() before generate (they register Ulysses with disable_in_eval=True); with register_ulysses, "
-        "generate attends locally on its own"
+        "call model.eval() before generate (they register Ulysses with disable_in_eval=True), or give the model (the "
+        "trainer) to check_sequence_parallel before prepare (then generate attends locally in either mode); with "
+        "register_ulysses, generate attends locally on its own"
     )
 
 
