@@ -1251,12 +1251,15 @@ def scenario_accelerate_own_rows() -> dict:
     check_sequence_parallel first: greedy generate on this rank's left-padded prompts with and without a
     KV cache in training and eval mode, and a forward's logits on them under no_grad in both modes
     (what evaluate() computes), against the same model before prepare (one process); then one adapted
-    batch through sequence_parallel_loss, which still goes through the exchange. Companion: without
-    the gate (DeepSpeed's registration as it is), the same calls."""
+    batch through the Trainer's own loss (deepspeed_sp_compute_loss: the model called with the loader's
+    shift_labels), which still goes through the exchange, as does the shard fed to the backbone directly;
+    the same with LoRA.
+    Companion: without the gate (DeepSpeed's registration as it is), the same calls."""
     from accelerate import Accelerator
     from accelerate.parallelism_config import ParallelismConfig
     from accelerate.state import AcceleratorState, GradientState, PartialState
     from accelerate.utils import DeepSpeedPlugin, DeepSpeedSequenceParallelConfig, DummyOptim
+    from transformers.integrations.deepspeed import deepspeed_sp_compute_loss
 
     ids, mask = own_prompts()
 
@@ -1277,12 +1280,12 @@ def scenario_accelerate_own_rows() -> dict:
         model.train()
         return out
 
-    def run(gated: bool) -> dict:
+    def run(gated: bool, peft: bool = False) -> dict:
         restore_attention()
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
         PartialState(cpu=True)
-        model = build(torch.float32)
+        model = build(torch.float32, peft=peft)
         expected = checks(model)
         config = {**zero3_config(False, stage=1), "optimizer": {"type": "SGD", "params": {"lr": LR}}}
         accelerator = Accelerator(
@@ -1303,8 +1306,12 @@ def scenario_accelerate_own_rows() -> dict:
                 actual = checks(model)
             generation_exchanges = exchanges.calls
             batch = {k: v.to(accelerator.device).contiguous() for k, v in next(iter(loader)).items()}
-            with CountedExchange() as exchanges:
-                accelerator.backward(sp.sequence_parallel_loss(engine, batch))
+            with CountedExchange() as exchanges:  # the Trainer's own loss under its Ulysses: model(**batch)
+                accelerator.backward(deepspeed_sp_compute_loss(accelerator, engine, batch, False,
+                                                               accelerator.parallelism_config))  # fmt: skip
+            # The shard fed to the backbone directly (as a fused LM head does), past the model's hook.
+            with torch.no_grad(), CountedExchange() as direct:
+                sp._backbone_of(model)(input_ids=batch["input_ids"], position_ids=batch["position_ids"])
         finally:
             sp._gate_registration = original
         result = {
@@ -1314,12 +1321,24 @@ def scenario_accelerate_own_rows() -> dict:
             "generations": {key: value for key, value in actual.items() if not key.endswith("logits")},
             "generation_exchanges": generation_exchanges,
             "shard_exchanges": exchanges.calls,
+            "backbone_exchanges": direct.calls,
         }  # fmt: skip
         accelerator.free_memory()
         engine.destroy()
         return result
 
-    return {"gated": run(True), "ungated": run(False)}
+    results = {"gated": run(True), "ungated": run(False), "peft": run(True, peft=True)}
+    # Companion: the backbone deciding a forward the model's hook did not see as a rank's own rows: the
+    # shard fed to the backbone directly then attends locally, each rank on its half.
+    original = sp._foreign_backbone
+    sp._foreign_backbone = lambda signature, module, args, kwargs: (
+        sp._mark_forward(signature, module, args, kwargs) if sp._gate_in_force() else None
+    )
+    try:
+        results["backbone_local"] = run(True)
+    finally:
+        sp._foreign_backbone = original
+    return results
 
 
 def scenario_dpo_through_the_trainer() -> dict:

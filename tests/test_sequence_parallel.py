@@ -540,14 +540,17 @@ def test_a_ranks_own_rows_run_as_one_process_under_accelerates_ulysses(runs):
     rank's left-padded prompts, with and without a KV cache, in training mode (as train() leaves the
     model) and eval mode, gives one process's tokens with no exchange and no DeepSpeed assertion; a
     forward's logits on those rows under no_grad in either mode (what evaluate() computes) are one
-    process's, padding mask included; an adapted batch through sequence_parallel_loss still goes through
-    the exchange."""
+    process's, padding mask included; an adapted batch through the Trainer's own loss
+    (deepspeed_sp_compute_loss) still goes through the exchange, and so does the shard fed to the
+    backbone directly (a fused head's way, past the model's hook: the backbone keeps DeepSpeed's rule
+    for a forward without a cache). The same with LoRA."""
     for rank, result in enumerate(runs["accelerate_own_rows"]):
         assert "error" not in result, result.get("traceback")
-        gated = result["gated"]
-        assert all(gated["same"].values()), f"rank {rank}: {gated['generations']}"
-        assert gated["logits_diff"] == {"train_logits": 0.0, "eval_logits": 0.0}, gated["logits_diff"]
-        assert gated["generation_exchanges"] == 0 and gated["shard_exchanges"] > 0, gated
+        for gated in (result["gated"], result["peft"]):
+            assert all(gated["same"].values()), f"rank {rank}: {gated['generations']}"
+            assert gated["logits_diff"] == {"train_logits": 0.0, "eval_logits": 0.0}, gated["logits_diff"]
+            assert gated["generation_exchanges"] == 0 and gated["shard_exchanges"] > 0, gated
+            assert gated["backbone_exchanges"] == gated["shard_exchanges"], gated  # each a forward's all-to-alls
 
 
 def test_a_rank_generating_from_another_ranks_prompts_under_accelerates_ulysses_is_caught(runs):
@@ -562,6 +565,8 @@ def test_a_rank_generating_from_another_ranks_prompts_under_accelerates_ulysses_
         assert ungated["generations"]["train_cache"].startswith("AssertionError"), ungated["generations"]
         assert min(ungated["logits_diff"].values()) > 1e-3, ungated["logits_diff"]
     assert not ranks[1]["ungated"]["same"]["train_no_cache"]
+    # A shard entering the backbone directly, decided there as a rank's own rows, never reaches the exchange.
+    assert all(result["backbone_local"]["backbone_exchanges"] == 0 for result in ranks)
 
 
 def test_dpo_through_the_trainers_ulysses_is_refused_by_name_before_any_step(runs):

@@ -1119,11 +1119,22 @@ def _foreign_forward(module, args, kwargs) -> None:
 
 
 def _foreign_backbone(signature, module, args, kwargs) -> None:
-    """The backbone's pre-hook: a forward the model's hook decided keeps its decision; one entering
-    the backbone directly decides here (a shard only if sequence_parallel_loss declared it)."""
+    """The backbone's pre-hook: a forward the model's hook (or sequence_parallel_loss) decided keeps
+    its decision. One entering without the model's hook (PEFT calls the model's `forward` directly, a
+    fused head the backbone) keeps DeepSpeed's own rule: through the exchange (which DeepSpeed skips
+    in eval mode with disable_in_eval), but a forward with a KV cache or without position_ids, never
+    a shard, attends locally."""
     if _REGISTERED or not _gate_in_force():
         return
-    _mark_forward(signature, module, args, kwargs)
+    try:
+        bound = signature.bind_partial(*args, **kwargs).arguments
+    except TypeError:
+        bound = kwargs
+    positions = bound.get("position_ids")
+    if _PENDING and _PENDING[0][1] is positions:
+        return
+    shard = torch.is_tensor(positions) and bound.get("past_key_values") is None
+    _PENDING[:] = [(shard, positions if torch.is_tensor(positions) else None)]
 
 
 def _gate_registration(implementation: str) -> bool:
