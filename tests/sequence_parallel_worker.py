@@ -501,6 +501,7 @@ def scenario_trainer(trl: bool = False) -> dict:
             from transformers import Trainer, TrainingArguments
 
             trainer = recording(Trainer)(model=model, args=TrainingArguments(**options), train_dataset=Rows(8))
+        sp.check_sequence_parallel(trainer, SP)  # the docs' recipe: the gate in front of the Trainer's Ulysses
         with CountedExchange() as exchanges:
             trainer.train()
         EXCHANGES["trainer"] = exchanges.calls

@@ -148,8 +148,9 @@ def test_sequence_parallel_through_accelerate(runs):
 
 @pytest.mark.parametrize("scenario", ["trainer", "trl"])
 def test_sequence_parallel_through_the_trainer_and_trl(runs, scenario):
-    """TrainingArguments / SFTConfig(deepspeed=ZeRO-3, parallelism_config=...): the Trainer (or TRL's
-    SFTTrainer) registers Ulysses, adapts its loader and sums the ranks' losses. With our
+    """TrainingArguments / SFTConfig(deepspeed=ZeRO-3, parallelism_config=...), the trainer given to
+    check_sequence_parallel (our gate in front): the Trainer (or TRL's SFTTrainer) registers Ulysses,
+    adapts its loader and sums the ranks' losses. With our
     checkpoint offload and tiling (TRL: its fused LM head computes the loss, the layers' parts
     are tiled; the query heads a chunk at a time through the exchange the Trainer registered):
     the logged losses and the final weights match one process on the same whole micro-batches,
