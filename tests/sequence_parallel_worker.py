@@ -501,6 +501,7 @@ def scenario_trainer(trl: bool = False) -> dict:
             from transformers import Trainer, TrainingArguments
 
             trainer = recording(Trainer)(model=model, args=TrainingArguments(**options), train_dataset=Rows(8))
+        sp.check_sequence_parallel(trainer, SP)  # the docs' recipe: the gate in front of the Trainer's Ulysses
         with CountedExchange() as exchanges:
             trainer.train()
         EXCHANGES["trainer"] = exchanges.calls
@@ -1245,6 +1246,142 @@ def scenario_grpo_trainer() -> dict:
             os.environ["ACCELERATE_USE_DEEPSPEED"] = deepspeed_env
 
 
+def scenario_accelerate_own_rows() -> dict:
+    """accelerate's own Ulysses registration (ParallelismConfig(sp_backend="deepspeed"), the docs'
+    accelerate recipe on a ZeRO-1 engine; the Trainer registers it the same way), the model given to
+    check_sequence_parallel first: greedy generate on this rank's left-padded prompts with and without a
+    KV cache in training and eval mode, and a forward's logits on them under no_grad in both modes
+    (what evaluate() computes), against the same model before prepare (one process); then one adapted
+    batch through the Trainer's own loss (deepspeed_sp_compute_loss: the model called with the loader's
+    shift_labels), which still goes through the exchange, as does the shard fed to the backbone directly;
+    the same with LoRA.
+    Companion: without the gate (DeepSpeed's registration as it is), the same calls."""
+    from accelerate import Accelerator
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+    from accelerate.utils import DeepSpeedPlugin, DeepSpeedSequenceParallelConfig, DummyOptim
+    from transformers.integrations.deepspeed import deepspeed_sp_compute_loss
+
+    ids, mask = own_prompts()
+
+    def checks(model) -> dict:
+        out = {}
+        for mode in ("train", "eval"):
+            model.train(mode == "train")
+            with torch.no_grad():
+                out[f"{mode}_logits"] = model(input_ids=ids, attention_mask=mask).logits
+            for cache in (True, False):
+                try:
+                    with torch.no_grad():
+                        tokens = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4,
+                                                do_sample=False, use_cache=cache, pad_token_id=0)  # fmt: skip
+                    out[f"{mode}_{'cache' if cache else 'no_cache'}"] = tokens[:, ids.shape[1]:].tolist()
+                except Exception as error:  # DeepSpeed's bare assertion, without the gate
+                    out[f"{mode}_{'cache' if cache else 'no_cache'}"] = f"{type(error).__name__}: {error}"[:200]
+        model.train()
+        return out
+
+    def run(gated: bool, peft: bool = False) -> dict:
+        restore_attention()
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        PartialState(cpu=True)
+        model = build(torch.float32, peft=peft)
+        expected = checks(model)
+        config = {**zero3_config(False, stage=1), "optimizer": {"type": "SGD", "params": {"lr": LR}}}
+        accelerator = Accelerator(
+            deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config),
+            parallelism_config=ParallelismConfig(
+                sp_backend="deepspeed", sp_size=SP,
+                sp_handler=DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa"),
+            ),
+        )
+        sp.check_sequence_parallel(model, SP)
+        loader = torch.utils.data.DataLoader(Rows(4), batch_size=ROWS, drop_last=True)
+        original = sp._gate_registration
+        if not gated:
+            sp._gate_registration = lambda implementation: False
+        try:
+            engine, optimizer, loader = accelerator.prepare(model, DummyOptim(model.parameters()), loader)
+            with CountedExchange() as exchanges:
+                actual = checks(model)
+            generation_exchanges = exchanges.calls
+            batch = {k: v.to(accelerator.device).contiguous() for k, v in next(iter(loader)).items()}
+            with CountedExchange() as exchanges:  # the Trainer's own loss under its Ulysses: model(**batch)
+                accelerator.backward(deepspeed_sp_compute_loss(accelerator, engine, batch, False,
+                                                               accelerator.parallelism_config))  # fmt: skip
+            # The shard fed to the backbone directly (as a fused LM head does), past the model's hook.
+            with torch.no_grad(), CountedExchange() as direct:
+                sp._backbone_of(model)(input_ids=batch["input_ids"], position_ids=batch["position_ids"])
+        finally:
+            sp._gate_registration = original
+        result = {
+            "same": {key: actual[key] == value for key, value in expected.items() if not key.endswith("logits")},
+            "logits_diff": {key: float((actual[key] - value).abs().max()) for key, value in expected.items()
+                            if key.endswith("logits")},
+            "generations": {key: value for key, value in actual.items() if not key.endswith("logits")},
+            "generation_exchanges": generation_exchanges,
+            "shard_exchanges": exchanges.calls,
+            "backbone_exchanges": direct.calls,
+        }  # fmt: skip
+        accelerator.free_memory()
+        engine.destroy()
+        return result
+
+    results = {"gated": run(True), "ungated": run(False), "peft": run(True, peft=True)}
+    # Companion: the backbone deciding a forward the model's hook did not see as a rank's own rows: the
+    # shard fed to the backbone directly then attends locally, each rank on its half.
+    original = sp._foreign_backbone
+    sp._foreign_backbone = lambda signature, module, args, kwargs: (
+        sp._mark_forward(signature, module, args, kwargs) if sp._gate_in_force() else None
+    )
+    try:
+        results["backbone_local"] = run(True)
+    finally:
+        sp._foreign_backbone = original
+    return results
+
+
+def scenario_dpo_through_the_trainer() -> dict:
+    """TRL's DPOConfig with ZeRO-3 and parallelism_config sp_size=2 (TRL accepts it): check_sequence_parallel
+    given the trainer refuses it by DPOTrainer's name, on every rank, before any step; the docs' Trainer recipe
+    on an SFT-like batch passes (docs_recipes). Companion: without the check, DeepSpeed's loader stops on a
+    field, naming neither DPO nor sequence parallelism. TRL's GRPOConfig and RLOOConfig refuse sp_size > 1
+    themselves."""
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.state import AcceleratorState, GradientState, PartialState
+    from accelerate.utils import DeepSpeedSequenceParallelConfig
+    from conftest import quiet_training_args
+    from datasets import Dataset
+    from deepspeed.utils import groups
+    from trl import DPOConfig, DPOTrainer, GRPOConfig, RLOOConfig
+
+    restore_attention()
+    groups.mpu = None  # the earlier scenarios' engines left DeepSpeed the SP state's groups (released since)
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    PartialState._reset_state()
+
+    def parallelism() -> ParallelismConfig:
+        return ParallelismConfig(sp_backend="deepspeed", sp_size=SP,
+                                 sp_handler=DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa"))  # fmt: skip
+
+    config = {**zero3_config(False), "train_micro_batch_size_per_gpu": "auto", "gradient_clipping": "auto"}
+    options = quiet_training_args(os.path.join(os.path.dirname(OUT), "dpo_sp"), max_steps=1,
+                                  per_device_train_batch_size=1, deepspeed=config, parallelism_config=parallelism())
+    rows = [{"prompt": "11 12 13 14", "chosen": " 15 16 17", "rejected": " 18 19 20 21"}] * 4
+    model = tiny_model("llama", seed=0, use_cache=False)
+    trainer = DPOTrainer(model=model, ref_model=tiny_model("llama", seed=0, use_cache=False),
+                         args=DPOConfig(**options, bf16=False), train_dataset=Dataset.from_list(rows),
+                         processing_class=token_ids_tokenizer())  # fmt: skip
+    result = {"checked": _error(lambda: sp.check_sequence_parallel(trainer, SP))}
+    result["unchecked"] = _error(trainer.train)
+    restore_attention()
+    for name, config_class in (("grpo_config", GRPOConfig), ("rloo_config", RLOOConfig)):
+        result[name] = _error(lambda cls=config_class: cls(**{**options, "deepspeed": None}, bf16=False))
+    return result
+
+
 SCENARIOS = {
     "loop": scenario_loop,
     "loop_float32": lambda: scenario_loop(torch.float32),
@@ -1275,6 +1412,8 @@ SCENARIOS = {
     "own_rows": scenario_own_rows,
     "dpo_trainer": scenario_dpo_trainer,
     "grpo_trainer": scenario_grpo_trainer,
+    "accelerate_own_rows": scenario_accelerate_own_rows,
+    "dpo_through_the_trainer": scenario_dpo_through_the_trainer,
 }
 
 

@@ -148,8 +148,9 @@ def test_sequence_parallel_through_accelerate(runs):
 
 @pytest.mark.parametrize("scenario", ["trainer", "trl"])
 def test_sequence_parallel_through_the_trainer_and_trl(runs, scenario):
-    """TrainingArguments / SFTConfig(deepspeed=ZeRO-3, parallelism_config=...): the Trainer (or TRL's
-    SFTTrainer) registers Ulysses, adapts its loader and sums the ranks' losses. With our
+    """TrainingArguments / SFTConfig(deepspeed=ZeRO-3, parallelism_config=...), the trainer given to
+    check_sequence_parallel (our gate in front): the Trainer (or TRL's SFTTrainer) registers Ulysses,
+    adapts its loader and sums the ranks' losses. With our
     checkpoint offload and tiling (TRL: its fused LM head computes the loss, the layers' parts
     are tiled; the query heads a chunk at a time through the exchange the Trainer registered):
     the logged losses and the final weights match one process on the same whole micro-batches,
@@ -532,3 +533,85 @@ def test_trls_grpo_trainer_after_register_ulysses_trains_each_ranks_own_completi
         assert any(abs(a) > 0.1 for a in plain["advantages"]), plain  # a gradient to compare
         assert plain["loss_rel"] == 0.0 and plain["grad_rel"] == 0.0, plain
         assert forced["grad_rel"] > 0.1, forced
+
+
+def test_a_ranks_own_rows_run_as_one_process_under_accelerates_ulysses(runs):
+    """accelerate's own Ulysses registration (prepare with ParallelismConfig(sp_backend="deepspeed"), as
+    the Trainer makes it too), the model given to check_sequence_parallel first: greedy generate on each
+    rank's left-padded prompts, with and without a KV cache, in training mode (as train() leaves the
+    model) and eval mode, gives one process's tokens with no exchange and no DeepSpeed assertion; a
+    forward's logits on those rows under no_grad in either mode (what evaluate() computes) are one
+    process's, padding mask included; an adapted batch through the Trainer's own loss
+    (deepspeed_sp_compute_loss) still goes through the exchange, and so does the shard fed to the
+    backbone directly (a fused head's way, past the model's hook: the backbone keeps DeepSpeed's rule
+    for a forward without a cache). The same with LoRA."""
+    for rank, result in enumerate(runs["accelerate_own_rows"]):
+        assert "error" not in result, result.get("traceback")
+        for gated in (result["gated"], result["peft"]):
+            assert all(gated["same"].values()), f"rank {rank}: {gated['generations']}"
+            assert gated["logits_diff"] == {"train_logits": 0.0, "eval_logits": 0.0}, gated["logits_diff"]
+            assert gated["generation_exchanges"] == 0 and gated["shard_exchanges"] > 0, gated
+            assert gated["backbone_exchanges"] == gated["shard_exchanges"], gated  # each a forward's all-to-alls
+
+
+def test_a_rank_generating_from_another_ranks_prompts_under_accelerates_ulysses_is_caught(runs):
+    """Companion: DeepSpeed's registration without the gate (as it was) exchanges generate's forwards:
+    rank 1's greedy tokens in training mode are another sequence's (rank 0's prompts before its own),
+    the logits move on both ranks (its wrapper drops the padding mask, eval mode too), and a cached
+    decoding step stops on DeepSpeed's bare shape assertion; the comparison above sees each."""
+    ranks = runs["accelerate_own_rows"]
+    for result in ranks:
+        ungated = result["ungated"]
+        assert ungated["generation_exchanges"] > 0
+        assert ungated["generations"]["train_cache"].startswith("AssertionError"), ungated["generations"]
+        assert min(ungated["logits_diff"].values()) > 1e-3, ungated["logits_diff"]
+    assert not ranks[1]["ungated"]["same"]["train_no_cache"]
+    # A shard entering the backbone directly, decided there as a rank's own rows, never reaches the exchange.
+    assert all(result["backbone_local"]["backbone_exchanges"] == 0 for result in ranks)
+
+
+def test_dpo_through_the_trainers_ulysses_is_refused_by_name_before_any_step(runs):
+    """DPOConfig with ZeRO-3 and parallelism_config sp_size=2 (TRL 1.16 accepts it): check_sequence_parallel
+    given the trainer refuses it on every rank, naming DPOTrainer, why (its chosen and rejected rows are not
+    one sequence split across the group) and register_ulysses, where DPO is exact. TRL's GRPOConfig and
+    RLOOConfig refuse sp_size > 1 themselves (what docs/sequence_parallel.md says)."""
+    for result in runs["dpo_through_the_trainer"]:
+        assert "error" not in result, result.get("traceback")
+        checked = result["checked"]
+        assert checked.startswith("ValueError: DPOTrainer under sequence parallelism"), checked
+        assert "chosen and rejected" in checked and "not one sequence split across the group" in checked
+        assert "register_ulysses(model, sp_size)" in checked
+        assert result["grpo_config"].startswith("ValueError: GRPOTrainer does not support sequence-dim parallelism")
+        assert result["rloo_config"].startswith("ValueError: RLOOTrainer does not support sequence-dim parallelism")
+
+
+def test_dpo_through_the_trainers_ulysses_unchecked_stops_on_a_field_not_on_dpo(runs):
+    """Companion: without the check, the same trainer's train() stops in DeepSpeed's loader on the
+    missing position_ids, a message naming neither DPO nor what to use instead."""
+    for result in runs["dpo_through_the_trainer"]:
+        unchecked = result["unchecked"]
+        assert unchecked is not None and "position_ids" in unchecked, unchecked
+        assert "DPO" not in unchecked and "register_ulysses" not in unchecked
+
+
+def test_the_trainer_check_refuses_batches_without_token_labels_by_the_trainers_name():
+    """check_sequence_parallel given a trainer whose parallelism_config asks for DeepSpeed's Ulysses
+    collates its first row: a batch without per-token labels (pairs of rows scored whole) is refused
+    naming the trainer's class; one with labels passes, and so does any batch without such a config."""
+    import types
+
+    import torch
+
+    class PairsTrainer:
+        def __init__(self, labels: bool, parallel: bool) -> None:
+            self.model = tiny_model("llama")
+            config = types.SimpleNamespace(sp_backend="deepspeed", sp_size=2) if parallel else None
+            self.args = types.SimpleNamespace(parallelism_config=config)
+            self.train_dataset = [{"ids": [1, 2, 3]}]
+            ids = torch.ones(2, 3, dtype=torch.long)
+            self.data_collator = lambda rows: {"input_ids": ids, **({"labels": ids} if labels else {})}
+
+    with pytest.raises(ValueError, match=r"^PairsTrainer under sequence parallelism .*2 rows from one example"):
+        sp.check_sequence_parallel(PairsTrainer(labels=False, parallel=True), 2, world_size=2)
+    assert sp.check_sequence_parallel(PairsTrainer(labels=True, parallel=True), 2, world_size=2) == "sdpa"
+    assert sp.check_sequence_parallel(PairsTrainer(labels=False, parallel=False), 2, world_size=2) == "sdpa"

@@ -4,9 +4,11 @@ Ulysses splits each sequence across the ranks of a sequence-parallel (SP) group:
 part of the model (embeddings, MLPs, norms, projections, the loss head) sees `seq / sp_size`
 tokens, and around the attention kernel an all-to-all trades tokens for heads, so attention sees
 the whole sequence with `heads / sp_size` heads. hf_offload's offloading and tiling work inside
-each rank unchanged. Nothing here is needed with accelerate or the Trainer, which drive Ulysses
-through `ParallelismConfig(sp_backend="deepspeed", sp_size=N)` (docs/sequence_parallel.md);
-`check_sequence_parallel` gives their bad input a clear error before they start.
+each rank unchanged. accelerate and the Trainer drive Ulysses themselves through
+`ParallelismConfig(sp_backend="deepspeed", sp_size=N)` (docs/sequence_parallel.md);
+`check_sequence_parallel` gives their bad input a clear error before they start, and gates their
+registration so that only the loader's shards go through the exchange (`generate` and evaluation
+attend locally).
 
 What this module adds to DeepSpeed's pieces, for a custom loop:
 
@@ -113,9 +115,21 @@ def check_sequence_parallel(model: object, sp_size: int, world_size: int | None 
     Gated DeltaNet of Qwen3.5 and Qwen3-Next: given a model, this makes those run exactly across
     the SP group wherever Ulysses runs (`hf_offload.integrations.linear_attention`).
 
-    Call it before `Trainer(...)` or `accelerate.prepare` with the same model and `sp_size`: they
-    run the same checks later, some as bare assertions."""
+    Call it before `accelerate.prepare` with the same model and `sp_size`, and with the Trainer
+    given the trainer itself (`check_sequence_parallel(trainer, sp_size)`, before `train()`): they
+    run the same checks later, some as bare assertions. Given a trainer whose
+    `parallelism_config` asks for Ulysses, it also refuses, by the trainer's name, batches that are
+    not one sequence split across the group: the Trainer splits only a causal LM's labelled tokens
+    (TRL's DPOTrainer's chosen and rejected rows, scored whole, are refused). The model (the
+    trainer's) is watched from here on: once accelerate's or the Trainer's prepare has registered
+    Ulysses, only a forward fed the loader's shard goes through its exchange, and every other
+    (generate, evaluation) attends locally with its own mask (docs/sequence_parallel.md)."""
+    trainer = model if _is_trainer(model) else None
+    if trainer is not None:
+        model = trainer.model
     implementation = _check_model(model, sp_size)
+    if trainer is not None:
+        _check_trainer_batches(trainer, sp_size)
     prepare_linear_attention(model, sp_size)
     _check_not_context_parallel()
     if world_size is None:
@@ -128,7 +142,49 @@ def check_sequence_parallel(model: object, sp_size: int, world_size: int | None 
             f"sp_size={sp_size} does not divide the world size {world_size}: the ranks form groups of sp_size "
             f"(launch a multiple of {sp_size} processes, e.g. torchrun --nproc-per-node {sp_size})"
         )
+    _watch_registration(model)
     return implementation
+
+
+def _is_trainer(candidate: object) -> bool:
+    """A transformers Trainer (or TRL's): a model, its arguments and a collator."""
+    return isinstance(getattr(candidate, "model", None), nn.Module) and all(
+        hasattr(candidate, name) for name in ("args", "data_collator", "train_dataset")
+    )
+
+
+def _check_trainer_batches(trainer, sp_size: int) -> None:
+    """Under the Trainer's Ulysses (`parallelism_config` with sp_backend="deepspeed"), DeepSpeed's loader
+    splits every row of a batch across the group and the Trainer sums the ranks' token losses: one
+    sequence split across the group needs per-token `labels`. A batch without them (DPO's chosen and
+    rejected rows, scored whole in pairs) is refused by the trainer's name, on every rank (each
+    collates the same first row), before any step; where the first row cannot be collated here,
+    nothing is decided."""
+    config = getattr(trainer.args, "parallelism_config", None)
+    if config is None or getattr(config, "sp_backend", None) != "deepspeed" or (getattr(config, "sp_size", 1) or 1) < 2:
+        return
+    dataset = trainer.train_dataset
+    try:
+        batch = trainer.data_collator([dataset[0]])
+        ids = batch["input_ids"]
+    except Exception:  # an iterable dataset, a collator wanting more: DeepSpeed's loader decides
+        return
+    labels = batch.get("labels", batch.get("shift_labels"))
+    if torch.is_tensor(labels) and labels.shape == ids.shape:
+        return
+    name = type(trainer).__name__
+    rows = f", {ids.shape[0]} rows from one example" if ids.dim() == 2 and ids.shape[0] > 1 else ""
+    raise ValueError(
+        f"{name} under sequence parallelism (parallelism_config sp_size={sp_size}, sp_backend='deepspeed'): its "
+        f"batches (keys {sorted(batch)}{rows}) carry no per-token labels, so they are not one sequence split across "
+        "the group. Ulysses through the Trainer splits every row across the ranks and sums the ranks' token losses; "
+        f"{name}'s loss scores each row whole (DPO: the chosen and rejected completions of a pair, concatenated as "
+        "rows, their per-sequence log-probabilities compared), which a rank's shard cannot give (DeepSpeed's loader "
+        "would stop on the missing position_ids). Train it without parallelism_config: with register_ulysses(model, "
+        "sp_size), where it runs exactly as one process, each rank its own pairs whole (no sequence longer than one "
+        "device holds; docs/sequence_parallel.md), or with plain data parallelism. Sequence parallelism through the "
+        "Trainer is for a causal LM's token loss (Trainer, SFTTrainer)"
+    )
 
 
 _TORCH_CONTEXT_PARALLEL = "torch.distributed.tensor.experimental._context_parallel._attention"
@@ -741,8 +797,9 @@ def _check_no_kv_cache(ulysses, module: nn.Module, query: torch.Tensor, key: tor
         f"a forward with a KV cache ({query.shape[-2]} new tokens against {key.shape[-2]} keys: generate's "
         "decoding) reached DeepSpeed's Ulysses exchange, which would treat the ranks' different rows as one sequence "
         "split across them. With accelerate's or the Trainer's Ulysses (ParallelismConfig(sp_backend='deepspeed')), "
-        "call model.eval() before generate (they register Ulysses with disable_in_eval=True); with register_ulysses, "
-        "generate attends locally on its own"
+        "call model.eval() before generate (they register Ulysses with disable_in_eval=True), or give the model (the "
+        "trainer) to check_sequence_parallel before prepare (then generate attends locally in either mode); with "
+        "register_ulysses, generate attends locally on its own"
     )
 
 
@@ -857,7 +914,7 @@ def disarm_shard() -> None:
 def declare_shard(inputs: dict) -> None:
     """The forward about to run on `inputs` is a shard (sequence_parallel_loss's contract), whatever
     model runs it; arms it for the model's backbone too."""
-    if not _REGISTERED:
+    if not _REGISTERED and not _gate_in_force():
         return
     arm_shard(inputs)
     _PENDING[:] = [(True, inputs.get("position_ids"))]
@@ -968,20 +1025,9 @@ def _gate_exchange(model: object, implementation: str, local) -> list:
     hook handles to remove."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    from hf_offload.tiling.attention import key_value_groups
-
     exchange = _local_mapping(ALL_ATTENTION_FUNCTIONS).get(implementation)
     core = _attention_as_registered(implementation, local)
-
-    def attention(module, query, key, value, attention_mask, *args, **kwargs):
-        if through_exchange(query, key, kwargs):
-            return exchange(module, query, key, value, attention_mask, *args, **kwargs)
-        with key_value_groups(module, max(query.shape[1] // max(key.shape[1], 1), 1)):
-            return core(module, query, key, value, attention_mask, *args, **kwargs)
-
-    attention._hf_offload_exchange = exchange
-    attention.__name__ = f"{implementation}_ulysses_gate"
-    ALL_ATTENTION_FUNCTIONS[implementation] = attention
+    ALL_ATTENTION_FUNCTIONS[implementation] = _gate(exchange, core, implementation)
     disarm_shard()
     _DECIDED.clear()
     backbone = _backbone_of(model)
@@ -997,6 +1043,135 @@ def _gate_exchange(model: object, implementation: str, local) -> list:
     hook = functools.partial(_mark_forward, signature)
     set_forward_rule(_forward_decision)
     return [backbone.register_forward_pre_hook(hook, with_kwargs=True)]
+
+
+def _gate(exchange, core, implementation: str):
+    """The attention function in front of DeepSpeed's registered `exchange`: a shard goes through it,
+    every other forward to `core` with its mask (DeepSpeed's function drops it) and the module's
+    grouped-query ratio as the call's own heads give it (DeepSpeed's forward sets
+    `num_key_value_groups` for the exchanged heads where key/value heads are repeated)."""
+    from hf_offload.tiling.attention import key_value_groups
+
+    def attention(module, query, key, value, attention_mask, *args, **kwargs):
+        if through_exchange(query, key, kwargs):
+            return exchange(module, query, key, value, attention_mask, *args, **kwargs)
+        with key_value_groups(module, max(query.shape[1] // max(key.shape[1], 1), 1)):
+            return core(module, query, key, value, attention_mask, *args, **kwargs)
+
+    attention._hf_offload_exchange = exchange
+    attention.__name__ = f"{implementation}_ulysses_gate"
+    return attention
+
+
+# --- accelerate's and the Trainer's registration (ParallelismConfig(sp_backend="deepspeed")) ------
+# Their prepare registers DeepSpeed's Ulysses, which exchanges every forward in training mode:
+# generate too (the ranks' different prompts as one sequence; with a KV cache DeepSpeed's bare shape
+# assertion). On a model given to check_sequence_parallel, the same gate goes in front of it at the
+# model's first forward after prepare: a forward runs through the exchange when it is fed a shard,
+# that is when the model is called with the `shift_labels` DeepSpeed's loader
+# (UlyssesSPDataLoaderAdapter) makes, without a KV cache (the Trainer's and TRL's SFTTrainer's loss
+# pass them, as sequence_parallel_loss does), or the batch sequence_parallel_loss is given; every
+# other forward attends locally with its own mask, as one process does on the rank's rows.
+_WATCHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # the model -> its hook handles
+
+
+def _model_of(model: object) -> nn.Module | None:
+    """The transformers model inside DDP, engines and PEFT: what every caller's forward enters."""
+    seen = 0
+    while isinstance(getattr(model, "module", None), nn.Module) and seen < 8:
+        model, seen = model.module, seen + 1
+    if callable(getattr(type(model), "get_base_model", None)):  # PEFT
+        model = model.get_base_model()
+    return model if isinstance(model, nn.Module) else None
+
+
+def _watch_registration(model: object) -> None:
+    """Hooks on `model` (once) that gate accelerate's or the Trainer's Ulysses registration once
+    their prepare has made it; they do nothing while register_ulysses's registration is in force."""
+    top = _model_of(model)
+    if top is None or top in _WATCHED:
+        return
+    import functools
+    import inspect
+
+    handles = [top.register_forward_pre_hook(_foreign_forward, with_kwargs=True)]
+    backbone = _backbone_of(top)
+    if backbone is not None and backbone is not top:
+        try:
+            signature = inspect.signature(backbone.forward)
+        except (TypeError, ValueError):
+            signature = inspect.Signature()
+        hook = functools.partial(_foreign_backbone, signature)
+        handles.append(backbone.register_forward_pre_hook(hook, with_kwargs=True))
+    _WATCHED[top] = handles
+
+
+def _foreign_forward(module, args, kwargs) -> None:
+    """The model's forward pre-hook: gate a DeepSpeed registration not made by register_ulysses, and
+    decide whether this forward is a shard (called with the loader's shift_labels, no cache)."""
+    if _REGISTERED or not _gate_registration(getattr(_config_of(module), "_attn_implementation", None) or "sdpa"):
+        return
+    positions = kwargs.get("position_ids")
+    if _PENDING and _PENDING[0][0] and _PENDING[0][1] is positions:
+        return  # sequence_parallel_loss declared this forward a shard
+    shard = torch.is_tensor(kwargs.get("shift_labels")) and kwargs.get("past_key_values") is None
+    _PENDING[:] = [(shard, positions if torch.is_tensor(positions) else None)]
+
+
+def _foreign_backbone(signature, module, args, kwargs) -> None:
+    """The backbone's pre-hook: a forward the model's hook (or sequence_parallel_loss) decided keeps
+    its decision. One entering without the model's hook (PEFT calls the model's `forward` directly, a
+    fused head the backbone) keeps DeepSpeed's own rule: through the exchange (which DeepSpeed skips
+    in eval mode with disable_in_eval), but a forward with a KV cache or without position_ids, never
+    a shard, attends locally."""
+    if _REGISTERED or not _gate_in_force():
+        return
+    try:
+        bound = signature.bind_partial(*args, **kwargs).arguments
+    except TypeError:
+        bound = kwargs
+    positions = bound.get("position_ids")
+    if _PENDING and _PENDING[0][1] is positions:
+        return
+    shard = torch.is_tensor(positions) and bound.get("past_key_values") is None
+    _PENDING[:] = [(shard, positions if torch.is_tensor(positions) else None)]
+
+
+def _gate_registration(implementation: str) -> bool:
+    """Put the gate in front of DeepSpeed's Ulysses registered for `implementation` by accelerate or
+    the Trainer, if it is not there yet. Whether a gate is in force for it."""
+    if ULYSSES_MODULE not in sys.modules:
+        return False
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    registered = _local_mapping(ALL_ATTENTION_FUNCTIONS).get(implementation)
+    if registered is None:
+        return False
+    if getattr(registered, "_hf_offload_exchange", None) is not None:
+        return True
+    if getattr(registered, "__module__", None) != ULYSSES_MODULE:
+        return False  # someone's own override: left as it is
+    core = _attention_as_registered(implementation, _ABSENT)
+    ALL_ATTENTION_FUNCTIONS[implementation] = _gate(registered, core, implementation)
+    disarm_shard()
+    _DECIDED.clear()
+    set_forward_rule(_gated_decision)
+    return True
+
+
+def _gate_in_force() -> bool:
+    """Whether a gate (register_ulysses's, or one put in front of accelerate's or the Trainer's
+    registration) stands in front of DeepSpeed's Ulysses."""
+    if "transformers.modeling_utils" not in sys.modules:
+        return False
+    functions = resolve("transformers.local_attention_functions")
+    return any(getattr(function, "_hf_offload_exchange", None) is not None for function in list(functions.values()))
+
+
+def _gated_decision(positions) -> bool:
+    """The Gated DeltaNets' rule under a gated accelerate or Trainer registration: the forward's
+    decision while the gate stands; once it is gone (another registration), wherever Ulysses runs."""
+    return _forward_decision(positions) if _gate_in_force() else True
 
 
 __all__ = [
