@@ -19,6 +19,7 @@ import os
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 from hf_offload.config import HOST_MEMORY_SHARE
 from hf_offload.tools.decode_time import rates
@@ -43,7 +44,7 @@ from hf_offload.tools.modes import parse_mode
 from hf_offload.tools.reserve import Reserve, device_reserve
 from hf_offload.tools.simulator import PositionTable, Simulator, StepResult, Training, composition
 from hf_offload.tools.simulator.generation import DECODE_STEPS
-from hf_offload.tools.simulator.linear_attention import linear_attention_lines
+from hf_offload.tools.simulator.linear_attention import STAND_INS, uses_linear_attention
 from hf_offload.tools.simulator.search import LONGEST, LongestSequence, Probe, longest_sequence, search_lengths
 from hf_offload.tools.simulator.tiers import (
     DEFAULT_DISK_GBPS,
@@ -87,6 +88,11 @@ class Request:
     def disk_rate(self) -> float:
         return DEFAULT_DISK_GBPS if self.disk_gbps is None else self.disk_gbps
 
+    @property
+    def link_rate(self) -> float:
+        """The host link's GB/s per direction: --link-gbps, else the device preset's."""
+        return self.link_gbps or self.training.device.link_gbps
+
 
 @dataclass
 class ModeEstimate:
@@ -110,6 +116,46 @@ class ModeEstimate:
     # GRPO: the step was simulated only at generation's limit (it fits there; its own limit lies beyond,
     # not searched), or not at all (generation fits at no length).
     step_capped: bool = False
+    # What the report shows, computed here (the report only formats): the peak's parts by origin
+    # (`composition`), the lines that put a model in this mode (`recipe`), the step's seconds with
+    # FlashAttention 2 where they differ, decoder layer 0's forward and backward seconds (beside its
+    # copies), where the step's and the answer's offloaded inputs live with the disk's time
+    # (`tier_estimate`), and where no length fits, why (`NoneFits`).
+    peak_parts: list = field(default_factory=list)
+    recipe: list[str] = field(default_factory=list)
+    flash_attention_2_seconds: float | None = None
+    layer_seconds: tuple[float, float] | None = None
+    tiers: tuple[list[str], DiskTime | None] | None = None
+    tiers_at_max: tuple[list[str], DiskTime | None] | None = None
+    none_fits: NoneFits | None = None
+    # GRPO: the length generation's figures are at (the answer, else the cycle's), generation's peak
+    # there on this GPU, and with the vLLM server the KV cache its GPUs hold there.
+    generation_seq_len: int | None = None
+    generation_peak_bytes: int | None = None
+    server_kv_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class NoneFits:
+    """Where the step fits at no length: the shortest step simulated, the memory it had, what no
+    length changes at its peak (weights, reference model, optimizer state, gradients), the floor no
+    length goes under, and what colocated vLLM keeps during the step, in words."""
+
+    step: StepResult
+    usable_bytes: int
+    fixed: dict[str, int]
+    floor_bytes: int
+    vllm_during_step: str | None = None
+
+
+class HostNeeds(NamedTuple):
+    """At the answer: hf_offload's pool per rank, ZeRO-3's host bytes per node, the two together per
+    node, and the ranks on one node."""
+
+    pool: int
+    zero3: int
+    total: int
+    ranks_per_node: int
 
 
 @dataclass
@@ -123,6 +169,20 @@ class Estimate:
     notes: list[str] = field(default_factory=list)  # what the estimate changed in the request, and why
     reserve: Reserve | None = None  # what the longest sequence leaves free (with a device memory)
     host: HostPlan | None = None  # the host RAM per rank and what ZeRO-3 takes of it
+    # What the report shows, computed here: the mode that trains the longest and what the host
+    # needs there; the model's position table described; the search's last length; the decode steps
+    # generation simulates; vLLM's releases and assumptions; TRL's version; FlashAttention 2's
+    # slowdown of attention on this device; a hybrid's kernels that stand in on meta.
+    best: ModeEstimate | None = None
+    host_needs: HostNeeds | None = None
+    position_table: str | None = None
+    search_end: int = LONGEST
+    decode_steps: int = DECODE_STEPS
+    vllm_releases: str | None = None
+    vllm_assumptions: str = VLLM_ASSUMPTIONS
+    trl_version: str | None = None
+    flash_attention_2_slowdown: float = 1.0
+    stand_ins: tuple[str, ...] = ()
 
     def as_json(self) -> dict:
         """{"modes": {MODE: {"peak_bytes", "host_bytes", "offloaded_bytes", "flops",
@@ -142,7 +202,7 @@ class Estimate:
                 "sp_exchanges": step.sp_exchanges,
                 "sp_seconds": entry.sp_seconds,
                 "step_seconds_range": None if entry.time is None else [entry.time.low, entry.time.high],
-                "step_seconds_flash_attention_2": _flash_attention_2_seconds(entry, request),
+                "step_seconds_flash_attention_2": entry.flash_attention_2_seconds,
                 "params_host_bytes": step.params_host_bytes,
                 "params_gathered_bytes": step.params_gathered_bytes,
                 "peak": {
@@ -152,14 +212,13 @@ class Estimate:
                     "autograd_node": step.peak.node,
                     "parts": [
                         {"phase": part.phase, "what": part.what, "bytes": part.bytes}
-                        for part in composition(step.peak)
+                        for part in entry.peak_parts
                     ],
                     "workspace_bytes": step.workspace_bytes,
                 },
-                "tiers": tiers_json(step, request),
+                "tiers": tiers_json(step, entry.tiers),
             }
-            model_type = getattr(request.config.get_text_config(), "model_type", "llama")
-            item["recipe"] = recipe(entry.mode, model_type, request.training)
+            item["recipe"] = entry.recipe
             if entry.longest is not None:
                 longest = entry.longest
                 item["max_seq_len"] = longest.max_seq_len
@@ -171,7 +230,7 @@ class Estimate:
                     "bytes_per_token": entry.bytes_per_token,
                     "reached_limit": longest.reached_limit,
                     "limit": longest.limit,
-                    "tiers": tiers_json(longest.at_max, request) if longest.at_max else None,
+                    "tiers": tiers_json(longest.at_max, entry.tiers_at_max) if longest.at_max else None,
                     "probes": [
                         {"seq_len": p.seq_len, "peak_bytes": p.peak_bytes, "fits": p.fits} for p in longest.probes
                     ],
@@ -179,10 +238,10 @@ class Estimate:
                 if longest.max_seq_len is None:
                     item["max_seq"]["none_fits"] = none_fits_json(entry)
             if entry.generation is not None:
-                item["generation"] = generation_json(entry)
+                item["generation"] = generation_json(entry, self)
             modes[entry.mode] = item
         training = request.training
-        best = longest_mode(self)
+        best = self.best
         longest = None if best is None else {"mode": best.mode, "max_seq_len": best.longest.max_seq_len}
         if longest is not None:
             longest["with_disk"] = None
@@ -191,14 +250,14 @@ class Estimate:
                 at = entry.longest.at_max
                 longest["with_disk"] = None if at is None else {
                     "max_seq_len": entry.longest.max_seq_len,
-                    "tiers": tiers_json(at, disk_request),
+                    "tiers": tiers_json(at, entry.tiers_at_max),
                 }  # fmt: skip
         return {
             "longest": longest,
             "reserve": None if self.reserve is None else {
                 **self.reserve.as_json(), "device_bytes": request.memory_bytes,
                 "step_bytes": request.memory_bytes - self.reserve.bytes},
-            "host": host_json(self, best),
+            "host": host_json(self),
             "setup": {
                 "model": request.name,
                 "dtype": str(training.dtype).removeprefix("torch."),
@@ -216,7 +275,7 @@ class Estimate:
                 "sp_size": training.sp_size,
                 "offload_params": training.offload_params,
                 "four_bit": None if training.four_bit is None else four_bit_json(training.four_bit),
-                "trl": None if training.trl is None else trl_json(training.trl, training),
+                "trl": None if training.trl is None else trl_json(training.trl, training, self.trl_version),
                 "position_table": None if self.positions is None else {
                     "field": self.positions.field, "rows": self.positions.rows, "module": self.positions.module},
                 "simulated": True,
@@ -225,10 +284,10 @@ class Estimate:
         }
 
 
-def generation_json(entry: ModeEstimate) -> dict:
+def generation_json(entry: ModeEstimate, estimate: Estimate) -> dict:
     """GRPO's generation beside the step: how, what it holds, what limits it, the cycle's time."""
     plan, simulated = entry.generation, entry.generation.simulated
-    length = entry.longest.max_seq_len if entry.longest is not None else entry.cycle_length
+    length = entry.generation_seq_len
     share = plan.vllm
     cycle = entry.cycle
     return {
@@ -246,9 +305,9 @@ def generation_json(entry: ModeEstimate) -> dict:
         "vllm": None if share is None else {
             "share_bytes": share.requested, "weights_bytes": share.weights, "profile_bytes": share.profile,
             "cuda_graph_bytes": share.graphs, "non_torch_bytes": share.non_torch, "kv_cache_bytes": share.kv_bytes,
-            "asleep_bytes": share.asleep, "assumptions": VLLM_ASSUMPTIONS,
+            "asleep_bytes": share.asleep, "assumptions": estimate.vllm_assumptions,
         },
-        "vllm_releases": vllm_range(plan.how.vllm_version, plan.four_bit) if plan.how.use_vllm else None,
+        "vllm_releases": estimate.vllm_releases if plan.how.use_vllm else None,
         "during_step_bytes": plan.during_step,
         "trainer_resident_bytes": plan.resident,  # weights, the reference model's, optimizer state
         "workspace_bytes": plan.workspace,
@@ -257,7 +316,7 @@ def generation_json(entry: ModeEstimate) -> dict:
         "max_seq_len_generation": entry.generation_longest,
         "limited_by": entry.generation_reason or None,
         "seq_len": length,
-        "peak_bytes": None if length is None else plan.peak_bytes(length),
+        "peak_bytes": entry.generation_peak_bytes,
         "cycle": None if cycle is None else {
             "seq_len": entry.cycle_length, "seconds_range": [cycle.low, cycle.high],
             "generation_seconds_range": [cycle.generation_low, cycle.generation_high], "prefill_seconds": cycle.prefill,
@@ -278,11 +337,11 @@ def four_bit_json(four_bit) -> dict:
     }
 
 
-def trl_json(step, training: Training) -> dict:
+def trl_json(step, training: Training, trl_version: str | None) -> dict:
     """The TRL step's shape; for DPO and GRPO `seq_len` and `max_seq_len` count completion tokens.
     `reference_model`: whether the trainer keeps a second model (its weights are in each peak)."""
     peft = training.lora_rank is not None
-    item = {"trainer": step.trainer, "trl_version": _trl_version(), "reference_model": step.loads_reference(peft),
+    item = {"trainer": step.trainer, "trl_version": trl_version, "reference_model": step.loads_reference(peft),
             "reference_pass": step.reference_pass()}  # fmt: skip
     if step.trainer != "sft":
         item["prompt_length"] = step.prompt_length
@@ -324,6 +383,7 @@ def run_estimate(request: Request, *, echo=print, jobs: int | None = None) -> Es
         reserve = run_reserve(request, simulator)
         request = replace(request, reserve_bytes=reserve.bytes)
     estimate = Estimate(request, positions=simulator.positions, notes=notes, reserve=reserve, host=host)
+    _estimate_facts(estimate)
     if request.training.trl is not None and request.training.trl.trainer == "grpo":
         rates()  # the decode model's constants, once, before any fork (grpo_generation's time)
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -347,8 +407,49 @@ def run_estimate(request: Request, *, echo=print, jobs: int | None = None) -> Es
             if echo is not None:
                 echo(f"  simulated {mode} ({time.perf_counter() - started:.0f} s in)")
     estimate.with_disk = past_the_host(estimate, cpus, context, echo)
+    estimate.best = longest_mode(estimate)
+    estimate.host_needs = host_needs(estimate, estimate.best)
     estimate.seconds = time.perf_counter() - started
     return estimate
+
+
+def _estimate_facts(estimate: Estimate) -> None:
+    """What the report shows of the whole run that is not a mode's: computed here, not there."""
+    request = estimate.request
+    training = request.training
+    if estimate.positions is not None:
+        estimate.position_table = estimate.positions.describe(request.config.get_text_config().model_type)
+    trl = training.trl
+    if trl is not None:
+        estimate.trl_version = _trl_version()
+        if trl.trainer == "grpo" and trl.generation.use_vllm:
+            estimate.vllm_releases = vllm_range(trl.generation.vllm_version, training.four_bit)
+    estimate.flash_attention_2_slowdown = attention_slowdown(FLASH_ATTENTION_2, training.device)
+    estimate.stand_ins = STAND_INS if uses_linear_attention(request.config) else ()
+
+
+def _mode_facts(entry: ModeEstimate, request: Request) -> None:
+    """What the report shows of one mode, computed from its steps (the report only formats)."""
+    step, training = entry.step, request.training
+    entry.peak_parts = composition(step.peak)
+    entry.recipe = recipe(entry.mode, getattr(request.config.get_text_config(), "model_type", "llama"), training)
+    entry.flash_attention_2_seconds = _flash_attention_2_seconds(entry, request)
+    if step.layer_offloaded_bytes:
+        device = training.device
+        entry.layer_seconds = (_layer_seconds(step, ("forward",), device, request),
+                               _layer_seconds(step, ("backward", "recompute"), device, request))  # fmt: skip
+    entry.tiers = tier_estimate(step, request)
+    at = entry.longest.at_max if entry.longest is not None else None
+    entry.tiers_at_max = None if at is None else tier_estimate(at, request)
+    entry.none_fits = _fixed_parts(entry)
+    plan = entry.generation
+    if plan is not None:
+        length = entry.longest.max_seq_len if entry.longest is not None else entry.cycle_length
+        entry.generation_seq_len = length
+        if length is not None:
+            entry.generation_peak_bytes = plan.peak_bytes(length)
+            if not plan.how.on_this_gpu:
+                entry.server_kv_bytes = plan.simulated.kv_bytes_per_token * plan.rows * (plan.prompt_length + length)
 
 
 def position_limit(request: Request, positions: PositionTable | None) -> int | None:
@@ -496,7 +597,7 @@ def run_reserve(request: Request, simulator: Simulator) -> Reserve:
     )  # fmt: skip
 
 
-def host_needs(estimate: Estimate, entry: ModeEstimate | None) -> tuple[int, int, int] | None:
+def host_needs(estimate: Estimate, entry: ModeEstimate | None) -> HostNeeds | None:
     """At `entry`'s answer: hf_offload's pool per rank (host memory's share of it where a disk
     tier takes the rest), ZeRO-3's host bytes per node, and the two together per node."""
     if entry is None or entry.longest is None or entry.longest.at_max is None:
@@ -508,11 +609,11 @@ def host_needs(estimate: Estimate, entry: ModeEstimate | None) -> tuple[int, int
     zero3 = (at.params_host_bytes or 0) * ranks // training.sp_size
     if not pool and not zero3:
         return None
-    return pool, zero3, pool * ranks + zero3
+    return HostNeeds(pool, zero3, pool * ranks + zero3, ranks)
 
 
-def host_json(estimate: Estimate, entry: ModeEstimate | None) -> dict | None:
-    host, needs = estimate.host, host_needs(estimate, entry)
+def host_json(estimate: Estimate) -> dict | None:
+    host, needs, entry = estimate.host, estimate.host_needs, estimate.best
     if host is None and needs is None:
         return None
     item = {"ram_per_rank_bytes": None if host is None else host.ram_bytes,
@@ -521,8 +622,7 @@ def host_json(estimate: Estimate, entry: ModeEstimate | None) -> dict | None:
             "zero3_per_rank_bytes": None if host is None else host.zero3_rank_bytes,
             "hf_offload_budget_bytes": estimate.request.training.host_budget_bytes}  # fmt: skip
     if needs is not None:
-        pool, zero3, total = needs
-        ranks = ranks_per_node(estimate.request.training)
+        pool, zero3, total, ranks = needs
         item.update(seq_len=entry.longest.max_seq_len, hf_offload_per_rank_bytes=pool, ranks_per_node=ranks,
                     zero3_per_node_bytes=zero3, per_node_bytes=total)  # fmt: skip
     return item
@@ -636,6 +736,7 @@ def _estimate_mode(simulator: Simulator, request: Request, mode: str, *, pair=No
     if plan is not None:
         entry.step_capped = capped
         _with_generation(entry, plan, simulator, request, run)
+    _mode_facts(entry, request)
     for result in results.values():
         result.trace = None  # the per-op lines are only for the search
     return entry
@@ -729,8 +830,8 @@ def tier_estimate(step: StepResult, request: Request) -> tuple[list[str], DiskTi
     return places, timing
 
 
-def tiers_json(step: StepResult, request: Request) -> dict | None:
-    found = tier_estimate(step, request)
+def tiers_json(step: StepResult, found: tuple[list[str], DiskTime | None] | None) -> dict | None:
+    """`step`'s tiers, from `found` (`tier_estimate`'s answer for it)."""
     if found is None:
         return None
     places, timing = found
@@ -871,25 +972,24 @@ def _headline_lines(estimate: Estimate) -> list[str]:
         longest = entry.longest
         if longest.max_seq_len is None:
             lines.append(f"  {entry.mode:<34}{'none fits':>12}")
-            lines.extend(f"    {line}" for line in _none_fits_lines(entry, request))
+            lines.extend(f"    {line}" for line in _none_fits_lines(entry, request.training))
             continue
         at = longest.at_max
-        value = _longest_value(longest)
+        value = _longest_value(longest, estimate.search_end)
         host = f", host {size(at.host_bytes)}" if at.host_bytes else ""
         if at.tiers is not None:
-            host = f", {_tiers_needed(at, request)}"
+            host = f", {_tiers_needed(at, entry.tiers_at_max)}"
         what = "step peak" if entry.generation is not None else "peak"
         lines.append(f"  {entry.mode:<34}{value:>12} tokens  ({what} {size(at.peak_bytes)}{host})")
         if entry.generation is not None:
-            lines.extend(f"    {line}" for line in _generation_lines(entry, request))
+            lines.extend(f"    {line}" for line in _generation_lines(entry))
     lines.extend(_position_lines(estimate))
-    best = longest_mode(estimate)
+    best = estimate.best
     lines.extend(_reserve_lines(estimate))
     lines.extend(_host_lines(estimate, best))
     lines.extend(_host_node_lines(estimate, best))
     if best is not None:
-        model_type = getattr(request.config.get_text_config(), "model_type", "llama")
-        steps = recipe(best.mode, model_type, request.training)
+        steps = best.recipe
         if steps:
             amount = f"{best.longest.max_seq_len:,}" + (" tokens" if length_name(training) == "sequence" else
                                                           "-token completions")  # fmt: skip
@@ -904,31 +1004,30 @@ def _generation_how_lines(estimate: Estimate) -> list[str]:
     how = trl.generation
     lines = [f"  generation: {how.describe()}, {trl.generation_rows} rows decoded together (the generation batch)"]
     if how.use_vllm:
-        lines.append(f"    vLLM releases assumed: {vllm_range(how.vllm_version, estimate.request.training.four_bit)}")
+        lines.append(f"    vLLM releases assumed: {estimate.vllm_releases}")
     if how.colocated:
-        lines.append(f"    vLLM assumed (not run here): {VLLM_ASSUMPTIONS}")
+        lines.append(f"    vLLM assumed (not run here): {estimate.vllm_assumptions}")
     elif not how.use_vllm:
         lines.append(
             "    simulated: transformers' generate on the meta device, through the prefill and "
-            f"{DECODE_STEPS} decode steps; the KV cache's growth, exactly linear in the step, extrapolated; every row "
-            "decodes to the longest completion"
+            f"{estimate.decode_steps} decode steps; the KV cache's growth, exactly linear in the step, extrapolated; "
+            "every row decodes to the longest completion"
         )
     else:
         lines.append(f"    {GENERATION_SERVER}")
     return lines
 
 
-def _generation_lines(entry: ModeEstimate, request: Request) -> list[str]:
+def _generation_lines(entry: ModeEstimate) -> list[str]:
     """Under a GRPO answer: generation's peak there and what limits each, then the cycle's time."""
     plan = entry.generation
-    length = entry.longest.max_seq_len
     step_alone = entry.step_longest.max_seq_len if entry.step_longest is not None else None
     alone = "none" if step_alone is None else f"{step_alone:,}"
     if entry.step_capped:
         alone = "further (the step fits there; its own limit is not searched)"
     lines = []
     if plan.how.on_this_gpu:
-        peak = plan.peak_bytes(length)
+        peak = entry.generation_peak_bytes
         limit = "-" if entry.generation_longest is None else f"{entry.generation_longest:,}"
         beside = f" beside the {size(plan.during_step)} vLLM keeps during it" if plan.during_step else ""
         lines.append(
@@ -936,9 +1035,8 @@ def _generation_lines(entry: ModeEstimate, request: Request) -> list[str]:
             f"{beside} reaches {alone}"
         )
     else:
-        rows = plan.rows
-        kv = plan.simulated.kv_bytes_per_token * rows * (plan.prompt_length + length)
-        lines.append(f"the server's GPUs: vLLM's weights and {size(kv)} of KV cache for {rows} rows at that length")
+        lines.append(f"the server's GPUs: vLLM's weights and {size(entry.server_kv_bytes)} of KV cache for {plan.rows} "
+                     "rows at that length")  # fmt: skip
     cycle = entry.cycle
     if cycle is not None:
         lines.append(_cycle_line(entry))
@@ -969,7 +1067,7 @@ def _seconds(value: float) -> str:
     return f"{value:.1f} s"
 
 
-def _fixed_parts(entry: ModeEstimate) -> tuple[StepResult, int, dict[str, int], int] | None:
+def _fixed_parts(entry: ModeEstimate) -> NoneFits | None:
     """Where the step fits at no length: the shortest step simulated, the memory it had, what no
     length changes at its peak (weights, reference model, optimizer state, gradients), and the
     floor no length goes under: the optimizer's step (weights, gradients, optimizer state and its
@@ -983,31 +1081,33 @@ def _fixed_parts(entry: ModeEstimate) -> tuple[StepResult, int, dict[str, int], 
     resident = step.peak.live_by_tag and sum(n for tag, n in step.peak.live_by_tag.items()
                                              if tag[0] in ("weights", "reference", "optimizer"))  # fmt: skip
     floor = max(optimizer, resident or 0) + step.workspace_bytes
-    return step, search.memory_bytes, fixed, floor
+    usable = search.memory_bytes
+    words = entry.generation.during_step_words(usable) if entry.generation is not None else None
+    return NoneFits(step, usable, fixed, floor, words)
 
 
 def none_fits_json(entry: ModeEstimate) -> dict | None:
-    found = _fixed_parts(entry)
+    found = entry.none_fits
     if found is None:
         return {"generation": entry.generation_reason} if entry.generation_reason else None
-    step, usable, fixed, floor = found
+    step, usable, fixed, floor = found.step, found.usable_bytes, found.fixed, found.floor_bytes
     return {"seq_len": step.seq_len, "peak_bytes": step.peak_bytes, "usable_bytes": usable,
             "fixed_bytes": floor, "fixed_parts_at_peak": fixed, "workspace_bytes": step.workspace_bytes,
             "generation": entry.generation_reason or None,
-            "vllm_during_step": entry.generation.during_step_words(usable) if entry.generation else None}  # fmt: skip
+            "vllm_during_step": found.vllm_during_step}  # fmt: skip
 
 
-def _none_fits_lines(entry: ModeEstimate, request: Request) -> list[str]:
+def _none_fits_lines(entry: ModeEstimate, training: Training) -> list[str]:
     """Why no length fits: what the shortest step simulated held, and the floor no length goes
     under (the optimizer's step: weights, gradients, optimizer state); or generation's limit."""
     lines = []
-    found = _fixed_parts(entry)
+    found = entry.none_fits
     if found is not None:
-        step, usable, fixed, floor = found
+        step, usable, fixed, floor = found.step, found.usable_bytes, found.fixed, found.floor_bytes
         named = ", ".join(f"{_PHASE_WORDS[phase]} {size(n)}" for phase, n in fixed.items())
         lines.append(f"at {step.seq_len:,} tokens the step peaks at {size(step.peak_bytes)} of {size(usable)} usable "
                      f"({_where(step)}; {named} there)")  # fmt: skip
-        what = "weights, gradients and optimizer state" if request.training.optimizer_states else "the weights"
+        what = "weights, gradients and optimizer state" if training.optimizer_states else "the weights"
         if "reference" in fixed:
             what = what.replace("weights", "weights (the reference model's too)", 1)
         verdict = "more than the device has: no length fits" if floor > usable else "the rest is the step's"
@@ -1016,7 +1116,7 @@ def _none_fits_lines(entry: ModeEstimate, request: Request) -> list[str]:
     if entry.generation is not None and entry.generation_longest is None and entry.generation.how.on_this_gpu:
         lines.append(f"generation: {entry.generation_reason}")
     if found is not None and entry.generation is not None:
-        share = entry.generation.during_step_words(found[1])
+        share = found.vllm_during_step
         lines.extend([share] if share else [])
     return lines
 
@@ -1044,7 +1144,7 @@ def _host_lines(estimate: Estimate, best: ModeEstimate | None) -> list[str]:
         f"  past the {size(training.host_memory_bytes)} of host RAM hf_offload draws on, a disk tier "
         f"(enable_activation_offloading(disk_dir=...), {disk_request.disk_rate:g} GB/s) reaches "
         f"{entry.longest.max_seq_len:,} tokens: "
-        f"{_tiers_needed(at, disk_request)}"
+        f"{_tiers_needed(at, entry.tiers_at_max)}"
     ]
 
 
@@ -1082,7 +1182,7 @@ def _reserve_lines(estimate: Estimate) -> list[str]:
 
 def _host_node_lines(estimate: Estimate, best: ModeEstimate | None) -> list[str]:
     """The host the answer needs per node, against the host it was given (per rank and node)."""
-    needs, host = host_needs(estimate, best), estimate.host
+    needs, host = estimate.host_needs, estimate.host
     lines = []
     if host is not None:
         zero3 = f", ZeRO-3's share {size(host.zero3_rank_bytes)} of it" if host.zero3_rank_bytes else ""
@@ -1091,10 +1191,9 @@ def _host_node_lines(estimate: Estimate, best: ModeEstimate | None) -> list[str]
         lines.append(f"  host memory per rank: {size(host.ram_bytes)} ({host.source}){zero3}; hf_offload's "
                      f"budget {size(budget)} (its {share} of the rest; --unlimited-host lifts it)")  # fmt: skip
     if needs is not None:
-        pool, zero3, total = needs
+        pool, zero3, total, ranks = needs
         node = None if host is None else host.node_ram_bytes
         machine = "" if node is None else f" of the machine's {size(node)}"
-        ranks = ranks_per_node(estimate.request.training)
         parts = f"hf_offload {size(pool)} x {ranks} rank(s)" + (f" + ZeRO-3 {size(zero3)}" if zero3 else "")
         lines.append(f"  host per node at {best.longest.max_seq_len:,} tokens: {parts} = {size(total)}{machine}")
     return lines
@@ -1133,9 +1232,9 @@ def format_estimate(estimate: Estimate, *, device_given: bool) -> str:
         if copies:
             lines.append(copies)
         lines.extend(_parallel_lines(entry, request))
-        lines.extend(_tier_lines(entry.step, request))
+        lines.extend(_tier_lines(entry, request))
         if entry.generation is not None and request.memory_bytes is None:
-            peak = entry.generation.peak_bytes(entry.cycle_length)
+            peak = entry.generation_peak_bytes
             where = "on the server's GPUs" if peak is None else f"peak {size(peak)} on this GPU"
             lines.append(f"  generation at {entry.cycle_length:,} tokens ({entry.generation.how.describe()}): {where}")
             lines.append(f"  {_cycle_line(entry)}")
@@ -1143,7 +1242,7 @@ def format_estimate(estimate: Estimate, *, device_given: bool) -> str:
         lines.append("")
         lines.extend(_longest_lines(estimate))
     lines.append("")
-    lines.extend(_assumption_lines(request, device_given=device_given))
+    lines.extend(_assumption_lines(estimate, device_given=device_given))
     lines.extend(_kernel_lines(estimate))
     lines.append(f"simulated in {estimate.seconds:.0f} s")
     return "\n".join(lines)
@@ -1224,7 +1323,7 @@ def _composition_lines(entry: ModeEstimate) -> list[str]:
     step = entry.step
     lines = [f"{entry.mode}: {size(step.peak_bytes)} at the peak, {_where(step)}"]
     small = 0
-    for part in composition(step.peak):
+    for part in entry.peak_parts:
         if part.bytes < SMALL_PART * step.tracked_peak_bytes:
             small += part.bytes
             continue
@@ -1260,11 +1359,9 @@ def _copy_line(entry: ModeEstimate, request: Request) -> str | None:
     step = entry.step
     if not step.layer_offloaded_bytes:
         return None
-    device = request.training.device
-    link = (request.link_gbps or device.link_gbps) * 1e9
+    link = request.link_rate * 1e9
     copy = step.layer_offloaded_bytes / link
-    forward = _layer_seconds(step, ("forward",), device, request)
-    backward = _layer_seconds(step, ("backward", "recompute"), device, request)
+    forward, backward = entry.layer_seconds
     hides = "yes" if copy <= forward and copy <= backward else "no"
     return (
         f"  per offloaded layer: {size(step.layer_offloaded_bytes)} each way, {copy * 1e3:.1f} ms at "
@@ -1313,7 +1410,7 @@ def _parallel_lines(entry: ModeEstimate, request: Request) -> list[str]:
             f"{device.peer_gbps:g} GB/s per direction, in the step time"
         )
     if step.params_host_bytes is not None:
-        link = (request.link_gbps or device.link_gbps) * 1e9
+        link = request.link_rate * 1e9
         gathered = step.params_gathered_bytes
         timed = entry.time
         low, high = timed.host_optimizer
@@ -1328,10 +1425,10 @@ def _parallel_lines(entry: ModeEstimate, request: Request) -> list[str]:
     return lines
 
 
-def _tiers_needed(step: StepResult, request: Request) -> str:
-    """What a step with a disk tier needs: "host 96.00 GiB + disk 168.00 GiB, the disk's time hidden"."""
+def _tiers_needed(step: StepResult, found: tuple[list[str], DiskTime | None] | None) -> str:
+    """What a step with a disk tier needs: "host 96.00 GiB + disk 168.00 GiB, the disk's time hidden"
+    (`found`: where its layers live and the disk's time, `tier_estimate`)."""
     plan = step.tiers
-    found = tier_estimate(step, request)
     timing = found[1] if found else None
     text = f"host {size(plan.host_bytes)} + disk {size(plan.disk_bytes)}"
     if timing is not None:
@@ -1341,12 +1438,12 @@ def _tiers_needed(step: StepResult, request: Request) -> str:
     return text
 
 
-def _tier_lines(step: StepResult, request: Request) -> list[str]:
-    found = tier_estimate(step, request)
+def _tier_lines(entry: ModeEstimate, request: Request) -> list[str]:
+    found = entry.tiers
     if found is None:
         return []
     places, timing = found
-    plan, training = step.tiers, request.training
+    plan, training = entry.step.tiers, request.training
     if plan.host_short:
         verdict = "does not fit: the staging buffers alone exceed the host budget"
     elif not plan.fits:
@@ -1368,11 +1465,11 @@ def _tier_lines(step: StepResult, request: Request) -> list[str]:
     return lines
 
 
-def _longest_value(longest: LongestSequence, *, grouped: bool = True) -> str:
-    """The longest length as shown: '>= LONGEST' where the search ran out of lengths, and marked *
-    where the model's position table stopped it, not memory."""
-    if longest.reached_limit and longest.limit >= LONGEST:
-        return f">= {LONGEST:,}" if grouped else f">={LONGEST}"
+def _longest_value(longest: LongestSequence, end: int, *, grouped: bool = True) -> str:
+    """The longest length as shown: '>= END' where the search ran out of lengths (`end`, its last),
+    and marked * where the model's position table stopped it, not memory."""
+    if longest.reached_limit and longest.limit >= end:
+        return f">= {end:,}" if grouped else f">={end}"
     value = f"{longest.max_seq_len:,}" if grouped else f"{longest.max_seq_len}"
     return value + ("*" if longest.reached_limit else "")
 
@@ -1381,9 +1478,9 @@ def _position_lines(estimate: Estimate) -> list[str]:
     """What the model's position table did to the request and to the search."""
     lines = [f"  {note}" for note in estimate.notes]
     capped = [entry.mode for entry in estimate.modes if entry.longest is not None and entry.longest.reached_limit
-              and entry.longest.limit < LONGEST]  # fmt: skip
-    if capped and estimate.positions is not None:
-        table = estimate.positions.describe(estimate.request.config.get_text_config().model_type)
+              and entry.longest.limit < estimate.search_end]  # fmt: skip
+    if capped and estimate.position_table is not None:
+        table = estimate.position_table
         lines.append(
             f"  * {table}: no longer sequence runs (on a GPU, an index out of range), whatever the memory; "
             f"{', '.join(capped)} fit there"
@@ -1403,7 +1500,7 @@ def _longest_lines(estimate: Estimate) -> list[str]:
     for entry in estimate.modes:
         longest = entry.longest
         at = longest.at_max
-        value = "none" if longest.max_seq_len is None else _longest_value(longest, grouped=False)
+        value = "none" if longest.max_seq_len is None else _longest_value(longest, estimate.search_end, grouped=False)
         per_token = "-" if entry.bytes_per_token is None else f"{entry.bytes_per_token / 1e6:.3f}"
         # With a disk tier the step was simulated with every layer offloaded: the host holds what
         # the tiers' plan leaves it, not all of that.
@@ -1415,7 +1512,7 @@ def _longest_lines(estimate: Estimate) -> list[str]:
     for entry in estimate.modes:
         at = entry.longest.at_max
         if at is not None and at.tiers is not None:
-            lines.append(f"  {entry.mode} at {at.seq_len:,} tokens: {_tiers_needed(at, request)}")
+            lines.append(f"  {entry.mode} at {at.seq_len:,} tokens: {_tiers_needed(at, entry.tiers_at_max)}")
     host = request.training.host_memory_bytes
     if host is None:
         needs = [e for e in estimate.modes if e.longest.at_max and e.longest.at_max.host_bytes]
@@ -1428,7 +1525,8 @@ def _longest_lines(estimate: Estimate) -> list[str]:
     return lines
 
 
-def _assumption_lines(request: Request, *, device_given: bool) -> list[str]:
+def _assumption_lines(estimate: Estimate, *, device_given: bool) -> list[str]:
+    request = estimate.request
     device = request.training.device
     note = "" if device_given else " (the default: --device to choose one, --list-devices for all)"
     lines = [
@@ -1442,7 +1540,7 @@ def _assumption_lines(request: Request, *, device_given: bool) -> list[str]:
         "fit to the other nine; published steps of 0.5M-15M tokens: docs/published.md); offloading's copies not "
         "included",
     ]
-    lines.extend(linear_attention_lines(request.config))
+    lines.extend(_linear_attention_lines(estimate.stand_ins))
     if request.tflops is not None:
         lines.append(f"  matmul rate: {request.tflops:g} TFLOP/s, given with --tflops")
     if request.link_gbps is not None:
@@ -1458,14 +1556,25 @@ def _assumption_lines(request: Request, *, device_given: bool) -> list[str]:
     return lines
 
 
+def _linear_attention_lines(stand_ins: tuple[str, ...]) -> list[str]:
+    """What the estimate's output says of a hybrid model's kernels (`stand_ins`: those that stand in
+    on meta for its Gated DeltaNet layers' GPU kernels; none for a model without them)."""
+    if not stand_ins:
+        return []
+    return [
+        "  linear attention (Gated DeltaNet layers): the GPU kernels stand in on meta with the memory their own code "
+        f"allocates on CUDA: {'; '.join(stand_ins)} (hf_offload/tools/simulator/linear_attention.py); step times leave "
+        "out those kernels' own compute (they count none)",
+    ]
+
+
 def _kernel_lines(estimate: Estimate) -> list[str]:
     """On Hopper the attention kernel moves a long step's time by more than anything else."""
-    request = estimate.request
-    flash = [(entry.mode, _flash_attention_2_seconds(entry, request)) for entry in estimate.modes]
+    flash = [(entry.mode, entry.flash_attention_2_seconds) for entry in estimate.modes]
     flash = [(mode, seconds) for mode, seconds in flash if seconds is not None]
     if not flash:
         return []
-    slowdown = attention_slowdown(FLASH_ATTENTION_2, request.training.device)
+    slowdown = estimate.flash_attention_2_slowdown
     steps = ", ".join(f"{mode} {seconds:.2f} s" for mode, seconds in flash)
     return [
         "  attention kernel: the step times are for cuDNN's or FlashAttention 3's kernels (what SDPA runs on Hopper "
