@@ -85,6 +85,12 @@ class Request:
         return DEFAULT_DISK_GBPS if self.disk_gbps is None else self.disk_gbps
 
     @property
+    def usable_bytes(self) -> int | None:
+        """The device memory the answer may use: the memory less the reserve, for the step and for
+        generation alike (None: no memory given)."""
+        return None if self.memory_bytes is None else self.memory_bytes - self.reserve_bytes
+
+    @property
     def link_rate(self) -> float:
         """The host link's GB/s per direction: --link-gbps, else the device preset's."""
         return self.link_gbps or self.training.device.link_gbps
@@ -483,12 +489,12 @@ def _estimate_mode(simulator: Simulator, request: Request, mode: str, *, pair=No
     if request.memory_bytes is not None:
         # What generation keeps on the GPU during the step (vLLM colocated) is not the step's, nor
         # what a real run allocates beside it (the reserve).
-        step_memory = request.memory_bytes - (plan.during_step if plan is not None else 0) - request.reserve_bytes
+        step_memory = request.usable_bytes - (plan.during_step if plan is not None else 0)
         limit = None
         if plan is not None and plan.how.on_this_gpu:
             # Generation on this GPU bounds the answer, and it is known without searching the step:
             # the step at that bound fits, or the step's own search finds where below it.
-            limit, _reason = plan.longest(request.memory_bytes, request.granularity)
+            limit, _reason = plan.longest(request.usable_bytes, request.granularity)
             table = position_limit(request, simulator.positions)
             at_table = limit is not None and table is not None and limit >= table
             if at_table:  # generation would go past the model's position table: the table ends it
@@ -562,7 +568,7 @@ def _generation_plan(simulator: Simulator, request: Request, mode: str) -> Gener
     plan = GenerationPlan(how, trl.generation_rows, trl.prompt_length, simulated, simulator.resident_bytes,
                           training.device.workspace_bytes, share, model_positions(request.config),
                           training.four_bit)  # fmt: skip
-    hold_generation(plan, simulator, mode, request.memory_bytes, request.granularity, request.seq_len)
+    hold_generation(plan, simulator, mode, request.usable_bytes, request.granularity, request.seq_len)
     return plan
 
 
@@ -575,7 +581,7 @@ def _with_generation(entry: ModeEstimate, plan: GenerationPlan, simulator: Simul
     entry.generation = plan
     if request.memory_bytes is not None:
         entry.step_longest = step_longest = entry.longest
-        limit, entry.generation_reason = plan.longest(request.memory_bytes, request.granularity)
+        limit, entry.generation_reason = plan.longest(request.usable_bytes, request.granularity)
         entry.generation_longest = limit
         answer = step_longest.max_seq_len
         if plan.how.on_this_gpu:

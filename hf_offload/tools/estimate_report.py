@@ -142,6 +142,7 @@ def generation_json(entry, estimate) -> dict:
             "asleep_bytes": share.asleep, "assumptions": estimate.vllm_assumptions,
         },
         "vllm_releases": estimate.vllm_releases if plan.how.use_vllm else None,
+        "memory_bytes": estimate.request.usable_bytes,  # what generation may use: the memory less the reserve
         "during_step_bytes": plan.during_step,
         "trainer_resident_bytes": plan.resident,  # weights, the reference model's, optimizer state
         "workspace_bytes": plan.workspace,
@@ -472,9 +473,13 @@ def _reserve_lines(estimate) -> list[str]:
     reserve, memory = estimate.reserve, estimate.request.memory_bytes
     if reserve is None:
         return []
-    left = memory - reserve.bytes
-    within = f"so each step above peaks within {size(left)}" if left > 0 else "more than the device's memory"
-    lines = [f"  left free for what a real run allocates beside the step (--reserve NAME=GIB to change): "
+    left = estimate.request.usable_bytes
+    # GRPO's generation on this GPU is held to the same memory as the step.
+    generating = any(e.generation is not None and e.generation.how.on_this_gpu for e in estimate.modes)
+    beside, peaks = (" and generation", "each step and generation above peak") if generating else (
+        "", "each step above peaks")  # fmt: skip
+    within = f"so {peaks} within {size(left)}" if left > 0 else "more than the device's memory"
+    lines = [f"  left free for what a real run allocates beside the step{beside} (--reserve NAME=GIB to change): "
              f"{size(reserve.bytes)}, {within} of {size(memory)}"]  # fmt: skip
     for item in reserve.items:
         lines.append(f"    {item.name}: {item.what}: {size(item.bytes)} ({item.source})")
