@@ -14,6 +14,7 @@ from hf_offload.tools import estimate as estimate_module
 from hf_offload.tools import reserve as reserve_module
 from hf_offload.tools.cli import main
 from hf_offload.tools.devices import DEVICES
+from hf_offload.tools.grpo_generation import GenerationPlan
 from hf_offload.tools.reserve import device_reserve
 
 GIB = 2**30
@@ -190,3 +191,55 @@ def test_a_host_too_small_for_zero3s_copy_is_refused_naming_both(capsys, model_d
     err = error_of(capsys, "--model", str(model_dir), "--modes", "checkpointing", "--offload-params",
                    "--device-memory", str(MEMORY_GIB), "--host-memory", "0.001")  # fmt: skip
     assert "ZeRO-3's offload keeps" in err and "more than the 1.0 MiB of host memory per rank (given)" in err
+
+
+GRPO_RESERVE = ["--preset", "tiny", "--lora-rank", "4", "--trainer", "grpo", "--prompt-length", "64", "--modes",
+                "checkpointing", "--optimizer-states", "0", "--device-memory", "0.1", "--granularity", "256",
+                "--reserve", "extra=0.01"]  # fmt: skip
+
+
+def grpo_with_a_reserve(capsys, monkeypatch) -> tuple[object, dict]:
+    """A GRPO estimate whose generation (transformers' generate, 8 rows) is limited by its KV cache:
+    the Estimate and its JSON."""
+    simulate, kept = estimate_module.run_estimate, []
+
+    def keeping(*args, **kwargs):
+        kept.append(simulate(*args, **kwargs))
+        return kept[-1]
+
+    monkeypatch.setattr(estimate_module, "run_estimate", keeping)
+    return kept, estimate_json(capsys, *GRPO_RESERVE)
+
+
+def check_generation_leaves_free(estimate, result: dict) -> None:
+    """Generation's answer peaks within the device's memory less the reserve, as the step's does,
+    and one grid step further would not: its peak as the estimate's own plan computes it."""
+    (entry,) = estimate.modes
+    usable = result["reserve"]["device_bytes"] - result["reserve"]["bytes"]
+    generation = result["modes"]["checkpointing"]["generation"]
+    assert generation["memory_bytes"] == usable == result["reserve"]["step_bytes"]
+    longest = generation["max_seq_len_generation"]
+    assert longest is not None and generation["limited_by"].startswith("the generation batch's KV cache")
+    plan = entry.generation
+    assert plan.peak_bytes(longest) <= usable < plan.peak_bytes(longest + 256)
+
+
+def test_generation_leaves_the_reserve_free_too(capsys, monkeypatch):
+    kept, result = grpo_with_a_reserve(capsys, monkeypatch)
+    check_generation_leaves_free(kept[0], result)
+    assert main(["estimate", *GRPO_RESERVE]) == 0
+    assert "beside the step and generation (--reserve NAME=GIB to change)" in capsys.readouterr().out
+
+
+def test_companion_generation_over_the_whole_memory_is_caught(capsys, monkeypatch):
+    """Were generation's limit found in memory the reserve's extra item is part of (as it was: the
+    reserve held the step only) while the reserve is printed, the check fails."""
+    longest = GenerationPlan.longest
+
+    def whole_memory(self, memory, granularity):
+        return longest(self, memory + int(0.01 * GIB), granularity)
+
+    monkeypatch.setattr(GenerationPlan, "longest", whole_memory)
+    kept, result = grpo_with_a_reserve(capsys, monkeypatch)
+    with pytest.raises(AssertionError):
+        check_generation_leaves_free(kept[0], result)

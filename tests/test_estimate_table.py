@@ -7,7 +7,8 @@ import pytest
 from conftest import TINY_CONFIGS
 from transformers import AutoConfig
 
-from hf_offload.tools.estimate import Request, format_estimate, run_estimate
+from hf_offload.tools.estimate import Request, run_estimate
+from hf_offload.tools.estimate_report import format_estimate
 from hf_offload.tools.simulator import Training
 
 MODES = ["checkpointing+hf_offload", "checkpointing+hf_offload_auto+liger+tiled"]

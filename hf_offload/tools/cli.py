@@ -704,7 +704,8 @@ def _run_estimate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     import torch
 
     from .devices import DEVICES
-    from .estimate import Request, format_estimate, format_json, run_estimate
+    from .estimate import Request, run_estimate
+    from .estimate_report import format_estimate, format_json
     from .presets import ConfigError, load_config, preset_config
     from .simulator import Training
 

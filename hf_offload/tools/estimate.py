@@ -9,26 +9,26 @@ the longest sequence that fits, by bisection. With a disk tier (`Training.disk_m
 where each layer's offloaded inputs live, the host and disk bytes they need, and whether the
 disk's time hides behind compute (`simulator.tiers`); the longest sequence then also needs host
 memory and disk to hold the step.
+
+This module computes: `run_estimate` returns one `Estimate` holding every figure the answer shows;
+`estimate_report` makes the text and the JSON from it, and only formats.
 """
 
 from __future__ import annotations
 
-import json
 import multiprocessing
 import os
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
-from hf_offload.config import HOST_MEMORY_SHARE
 from hf_offload.tools.decode_time import rates
 from hf_offload.tools.devices import (
-    ATTENTION_EFFICIENCY,
-    MATMUL_EFFICIENCY,
-    MEMORY_EFFICIENCY,
     Device,
     compute_seconds,
 )
+from hf_offload.tools.estimate_report import size
 from hf_offload.tools.generation_limits import check_generation, model_positions, vllm_range
 from hf_offload.tools.grpo_generation import (
     VLLM_ASSUMPTIONS,
@@ -43,22 +43,19 @@ from hf_offload.tools.modes import parse_mode
 from hf_offload.tools.reserve import Reserve, device_reserve
 from hf_offload.tools.simulator import PositionTable, Simulator, StepResult, Training, composition
 from hf_offload.tools.simulator.generation import DECODE_STEPS
-from hf_offload.tools.simulator.linear_attention import linear_attention_lines
+from hf_offload.tools.simulator.linear_attention import STAND_INS, uses_linear_attention
 from hf_offload.tools.simulator.search import LONGEST, LongestSequence, Probe, longest_sequence, search_lengths
 from hf_offload.tools.simulator.tiers import (
     DEFAULT_DISK_GBPS,
     DiskTime,
-    describe_places,
     disk_time,
     layer_places,
     longest_stored,
     stored,
 )
-from hf_offload.tools.step_time import FLASH_ATTENTION_2, HOST_MEMORY_GBPS, StepTime, attention_slowdown, step_time
+from hf_offload.tools.step_time import FLASH_ATTENTION_2, StepTime, attention_slowdown, step_time
 
 GIB = 2**30
-# Parts of the peak under this share are summed into one line.
-SMALL_PART = 0.01
 
 
 @dataclass
@@ -87,6 +84,17 @@ class Request:
     def disk_rate(self) -> float:
         return DEFAULT_DISK_GBPS if self.disk_gbps is None else self.disk_gbps
 
+    @property
+    def usable_bytes(self) -> int | None:
+        """The device memory the answer may use: the memory less the reserve, for the step and for
+        generation alike (None: no memory given)."""
+        return None if self.memory_bytes is None else self.memory_bytes - self.reserve_bytes
+
+    @property
+    def link_rate(self) -> float:
+        """The host link's GB/s per direction: --link-gbps, else the device preset's."""
+        return self.link_gbps or self.training.device.link_gbps
+
 
 @dataclass
 class ModeEstimate:
@@ -110,6 +118,46 @@ class ModeEstimate:
     # GRPO: the step was simulated only at generation's limit (it fits there; its own limit lies beyond,
     # not searched), or not at all (generation fits at no length).
     step_capped: bool = False
+    # What the report shows, computed here (the report only formats): the peak's parts by origin
+    # (`composition`), the lines that put a model in this mode (`recipe`), the step's seconds with
+    # FlashAttention 2 where they differ, decoder layer 0's forward and backward seconds (beside its
+    # copies), where the step's and the answer's offloaded inputs live with the disk's time
+    # (`tier_estimate`), and where no length fits, why (`NoneFits`).
+    peak_parts: list = field(default_factory=list)
+    recipe: list[str] = field(default_factory=list)
+    flash_attention_2_seconds: float | None = None
+    layer_seconds: tuple[float, float] | None = None
+    tiers: tuple[list[str], DiskTime | None] | None = None
+    tiers_at_max: tuple[list[str], DiskTime | None] | None = None
+    none_fits: NoneFits | None = None
+    # GRPO: the length generation's figures are at (the answer, else the cycle's), generation's peak
+    # there on this GPU, and with the vLLM server the KV cache its GPUs hold there.
+    generation_seq_len: int | None = None
+    generation_peak_bytes: int | None = None
+    server_kv_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class NoneFits:
+    """Where the step fits at no length: the shortest step simulated, the memory it had, what no
+    length changes at its peak (weights, reference model, optimizer state, gradients), the floor no
+    length goes under, and what colocated vLLM keeps during the step, in words."""
+
+    step: StepResult
+    usable_bytes: int
+    fixed: dict[str, int]
+    floor_bytes: int
+    vllm_during_step: str | None = None
+
+
+class HostNeeds(NamedTuple):
+    """At the answer: hf_offload's pool per rank, ZeRO-3's host bytes per node, the two together per
+    node, and the ranks on one node."""
+
+    pool: int
+    zero3: int
+    total: int
+    ranks_per_node: int
 
 
 @dataclass
@@ -123,182 +171,20 @@ class Estimate:
     notes: list[str] = field(default_factory=list)  # what the estimate changed in the request, and why
     reserve: Reserve | None = None  # what the longest sequence leaves free (with a device memory)
     host: HostPlan | None = None  # the host RAM per rank and what ZeRO-3 takes of it
-
-    def as_json(self) -> dict:
-        """{"modes": {MODE: {"peak_bytes", "host_bytes", "offloaded_bytes", "flops",
-        "max_seq_len" (with a device memory), ...}}}, plus the setup."""
-        request = self.request
-        modes = {}
-        for entry in self.modes:
-            step = entry.step
-            item = {
-                "peak_bytes": step.peak_bytes,
-                "host_bytes": step.host_bytes,
-                "offloaded_bytes": step.offloaded_bytes,
-                "flops": step.flops,
-                "step_seconds": entry.step_seconds,
-                "seq_len": step.seq_len,
-                "sp_sent_bytes": step.sp_sent_bytes,
-                "sp_exchanges": step.sp_exchanges,
-                "sp_seconds": entry.sp_seconds,
-                "step_seconds_range": None if entry.time is None else [entry.time.low, entry.time.high],
-                "step_seconds_flash_attention_2": _flash_attention_2_seconds(entry, request),
-                "params_host_bytes": step.params_host_bytes,
-                "params_gathered_bytes": step.params_gathered_bytes,
-                "peak": {
-                    "op": step.peak.op,
-                    "phase": step.peak.tag[0] if step.peak.tag else "",
-                    "module": step.peak.tag[1] if len(step.peak.tag) > 1 else "",
-                    "autograd_node": step.peak.node,
-                    "parts": [
-                        {"phase": part.phase, "what": part.what, "bytes": part.bytes}
-                        for part in composition(step.peak)
-                    ],
-                    "workspace_bytes": step.workspace_bytes,
-                },
-                "tiers": tiers_json(step, request),
-            }
-            model_type = getattr(request.config.get_text_config(), "model_type", "llama")
-            item["recipe"] = recipe(entry.mode, model_type, request.training)
-            if entry.longest is not None:
-                longest = entry.longest
-                item["max_seq_len"] = longest.max_seq_len
-                item["max_seq"] = {
-                    "memory_bytes": longest.memory_bytes,
-                    "granularity": longest.granularity,
-                    "peak_bytes": longest.at_max.peak_bytes if longest.at_max else None,
-                    "host_bytes": longest.at_max.host_bytes if longest.at_max else None,
-                    "bytes_per_token": entry.bytes_per_token,
-                    "reached_limit": longest.reached_limit,
-                    "limit": longest.limit,
-                    "tiers": tiers_json(longest.at_max, request) if longest.at_max else None,
-                    "probes": [
-                        {"seq_len": p.seq_len, "peak_bytes": p.peak_bytes, "fits": p.fits} for p in longest.probes
-                    ],
-                }
-                if longest.max_seq_len is None:
-                    item["max_seq"]["none_fits"] = none_fits_json(entry)
-            if entry.generation is not None:
-                item["generation"] = generation_json(entry)
-            modes[entry.mode] = item
-        training = request.training
-        best = longest_mode(self)
-        longest = None if best is None else {"mode": best.mode, "max_seq_len": best.longest.max_seq_len}
-        if longest is not None:
-            longest["with_disk"] = None
-            if self.with_disk is not None:
-                disk_request, entry = self.with_disk
-                at = entry.longest.at_max
-                longest["with_disk"] = None if at is None else {
-                    "max_seq_len": entry.longest.max_seq_len,
-                    "tiers": tiers_json(at, disk_request),
-                }  # fmt: skip
-        return {
-            "longest": longest,
-            "reserve": None if self.reserve is None else {
-                **self.reserve.as_json(), "device_bytes": request.memory_bytes,
-                "step_bytes": request.memory_bytes - self.reserve.bytes},
-            "host": host_json(self, best),
-            "setup": {
-                "model": request.name,
-                "dtype": str(training.dtype).removeprefix("torch."),
-                "lora_rank": training.lora_rank,
-                "lora_dtype": str(training.lora_dtype).removeprefix("torch.") if training.lora_rank else None,
-                "batch_size": training.batch_size,
-                "optimizer_states": training.optimizer_states,
-                "device": training.device.name,
-                "host_memory_bytes": training.host_memory_bytes,
-                "disk_memory_bytes": training.disk_memory_bytes,
-                "disk_gbps": request.disk_rate if training.disk_memory_bytes is not None else None,
-                "tile_tokens": training.tile_tokens,
-                "autocast": None if training.autocast is None else str(training.autocast).removeprefix("torch."),
-                "padded": training.padded,
-                "sp_size": training.sp_size,
-                "offload_params": training.offload_params,
-                "four_bit": None if training.four_bit is None else four_bit_json(training.four_bit),
-                "trl": None if training.trl is None else trl_json(training.trl, training),
-                "position_table": None if self.positions is None else {
-                    "field": self.positions.field, "rows": self.positions.rows, "module": self.positions.module},
-                "simulated": True,
-            },
-            "modes": modes,
-        }
-
-
-def generation_json(entry: ModeEstimate) -> dict:
-    """GRPO's generation beside the step: how, what it holds, what limits it, the cycle's time."""
-    plan, simulated = entry.generation, entry.generation.simulated
-    length = entry.longest.max_seq_len if entry.longest is not None else entry.cycle_length
-    share = plan.vllm
-    cycle = entry.cycle
-    return {
-        "how": plan.how.describe(),
-        "rows": plan.rows,
-        "prompt_length": plan.prompt_length,
-        "simulated_generate": {
-            "prefill_peak_bytes": simulated.prefill.peak_bytes,
-            "decode_peak_bytes": {"base": simulated.peak.base, "per_token": simulated.peak.per_token,
-                                  "is": "bytes above resident at decode step k: base + per_token x k"},
-            "kv_bytes_per_token": simulated.kv_bytes_per_token,
-            "ops_per_decode_step": simulated.ops,
-            "decode_steps_simulated": len(simulated.steps),
-        },
-        "vllm": None if share is None else {
-            "share_bytes": share.requested, "weights_bytes": share.weights, "profile_bytes": share.profile,
-            "cuda_graph_bytes": share.graphs, "non_torch_bytes": share.non_torch, "kv_cache_bytes": share.kv_bytes,
-            "asleep_bytes": share.asleep, "assumptions": VLLM_ASSUMPTIONS,
-        },
-        "vllm_releases": vllm_range(plan.how.vllm_version, plan.four_bit) if plan.how.use_vllm else None,
-        "during_step_bytes": plan.during_step,
-        "trainer_resident_bytes": plan.resident,  # weights, the reference model's, optimizer state
-        "workspace_bytes": plan.workspace,
-        "max_seq_len_step": None if entry.step_longest is None or entry.step_capped else entry.step_longest.max_seq_len,
-        "step_checked_at_generation_limit": entry.step_capped,
-        "max_seq_len_generation": entry.generation_longest,
-        "limited_by": entry.generation_reason or None,
-        "seq_len": length,
-        "peak_bytes": None if length is None else plan.peak_bytes(length),
-        "cycle": None if cycle is None else {
-            "seq_len": entry.cycle_length, "seconds_range": [cycle.low, cycle.high],
-            "generation_seconds_range": [cycle.generation_low, cycle.generation_high], "prefill_seconds": cycle.prefill,
-            "decode_seconds_range": [cycle.decode_low, cycle.decode_high], "decode_steps": cycle.steps,
-            "host_bound_steps": cycle.host_bound_steps, "weight_sync_seconds": cycle.sync,
-            "scoring_seconds": cycle.scoring, "training_seconds": cycle.training, "waves": cycle.waves,
-            "notes": cycle.notes,
-        },
-    }  # fmt: skip
-
-
-def four_bit_json(four_bit) -> dict:
-    return {
-        "bnb_4bit_quant_type": four_bit.bnb_4bit_quant_type,
-        "bnb_4bit_use_double_quant": four_bit.bnb_4bit_use_double_quant,
-        "bnb_4bit_compute_dtype": str(four_bit.bnb_4bit_compute_dtype).removeprefix("torch."),
-        "prepare_model_for_kbit_training": four_bit.prepare_model_for_kbit_training,
-    }
-
-
-def trl_json(step, training: Training) -> dict:
-    """The TRL step's shape; for DPO and GRPO `seq_len` and `max_seq_len` count completion tokens.
-    `reference_model`: whether the trainer keeps a second model (its weights are in each peak)."""
-    peft = training.lora_rank is not None
-    item = {"trainer": step.trainer, "trl_version": _trl_version(), "reference_model": step.loads_reference(peft),
-            "reference_pass": step.reference_pass()}  # fmt: skip
-    if step.trainer != "sft":
-        item["prompt_length"] = step.prompt_length
-        item["length_is"] = "completion"
-    if step.trainer == "dpo":
-        item.update(precompute_ref_log_probs=step.precompute_ref_log_probs, ref_model=step.ref_model,
-                    sync_ref_model=step.sync_ref_model)  # fmt: skip
-    if step.trainer == "grpo":
-        how = step.generation
-        item.update(num_generations=step.num_generations, generation_batch_size=step.generation_rows,
-                    beta=step.grpo_beta, old_log_probs=step.computes_old_log_probs, sync_ref_model=step.sync_ref_model,
-                    use_vllm=how.use_vllm, vllm_mode=how.vllm_mode if how.use_vllm else None,
-                    vllm_gpu_memory_utilization=how.vllm_gpu_memory_utilization if how.colocated else None,
-                    vllm_enable_sleep_mode=how.vllm_enable_sleep_mode if how.colocated else None,
-                    generation=how.describe())  # fmt: skip
-    return item
+    # What the report shows, computed here: the mode that trains the longest and what the host
+    # needs there; the model's position table described; the search's last length; the decode steps
+    # generation simulates; vLLM's releases and assumptions; TRL's version; FlashAttention 2's
+    # slowdown of attention on this device; a hybrid's kernels that stand in on meta.
+    best: ModeEstimate | None = None
+    host_needs: HostNeeds | None = None
+    position_table: str | None = None
+    search_end: int = LONGEST
+    decode_steps: int = DECODE_STEPS
+    vllm_releases: str | None = None
+    vllm_assumptions: str = VLLM_ASSUMPTIONS
+    trl_version: str | None = None
+    flash_attention_2_slowdown: float = 1.0
+    stand_ins: tuple[str, ...] = ()
 
 
 def _trl_version() -> str:
@@ -324,6 +210,7 @@ def run_estimate(request: Request, *, echo=print, jobs: int | None = None) -> Es
         reserve = run_reserve(request, simulator)
         request = replace(request, reserve_bytes=reserve.bytes)
     estimate = Estimate(request, positions=simulator.positions, notes=notes, reserve=reserve, host=host)
+    _estimate_facts(estimate)
     if request.training.trl is not None and request.training.trl.trainer == "grpo":
         rates()  # the decode model's constants, once, before any fork (grpo_generation's time)
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -347,8 +234,49 @@ def run_estimate(request: Request, *, echo=print, jobs: int | None = None) -> Es
             if echo is not None:
                 echo(f"  simulated {mode} ({time.perf_counter() - started:.0f} s in)")
     estimate.with_disk = past_the_host(estimate, cpus, context, echo)
+    estimate.best = longest_mode(estimate)
+    estimate.host_needs = host_needs(estimate, estimate.best)
     estimate.seconds = time.perf_counter() - started
     return estimate
+
+
+def _estimate_facts(estimate: Estimate) -> None:
+    """What the report shows of the whole run that is not a mode's: computed here, not there."""
+    request = estimate.request
+    training = request.training
+    if estimate.positions is not None:
+        estimate.position_table = estimate.positions.describe(request.config.get_text_config().model_type)
+    trl = training.trl
+    if trl is not None:
+        estimate.trl_version = _trl_version()
+        if trl.trainer == "grpo" and trl.generation.use_vllm:
+            estimate.vllm_releases = vllm_range(trl.generation.vllm_version, training.four_bit)
+    estimate.flash_attention_2_slowdown = attention_slowdown(FLASH_ATTENTION_2, training.device)
+    estimate.stand_ins = STAND_INS if uses_linear_attention(request.config) else ()
+
+
+def _mode_facts(entry: ModeEstimate, request: Request) -> None:
+    """What the report shows of one mode, computed from its steps (the report only formats)."""
+    step, training = entry.step, request.training
+    entry.peak_parts = composition(step.peak)
+    entry.recipe = recipe(entry.mode, getattr(request.config.get_text_config(), "model_type", "llama"), training)
+    entry.flash_attention_2_seconds = _flash_attention_2_seconds(entry, request)
+    if step.layer_offloaded_bytes:
+        device = training.device
+        entry.layer_seconds = (_layer_seconds(step, ("forward",), device, request),
+                               _layer_seconds(step, ("backward", "recompute"), device, request))  # fmt: skip
+    entry.tiers = tier_estimate(step, request)
+    at = entry.longest.at_max if entry.longest is not None else None
+    entry.tiers_at_max = None if at is None else tier_estimate(at, request)
+    entry.none_fits = _fixed_parts(entry)
+    plan = entry.generation
+    if plan is not None:
+        length = entry.longest.max_seq_len if entry.longest is not None else entry.cycle_length
+        entry.generation_seq_len = length
+        if length is not None:
+            entry.generation_peak_bytes = plan.peak_bytes(length)
+            if not plan.how.on_this_gpu:
+                entry.server_kv_bytes = plan.simulated.kv_bytes_per_token * plan.rows * (plan.prompt_length + length)
 
 
 def position_limit(request: Request, positions: PositionTable | None) -> int | None:
@@ -496,7 +424,7 @@ def run_reserve(request: Request, simulator: Simulator) -> Reserve:
     )  # fmt: skip
 
 
-def host_needs(estimate: Estimate, entry: ModeEstimate | None) -> tuple[int, int, int] | None:
+def host_needs(estimate: Estimate, entry: ModeEstimate | None) -> HostNeeds | None:
     """At `entry`'s answer: hf_offload's pool per rank (host memory's share of it where a disk
     tier takes the rest), ZeRO-3's host bytes per node, and the two together per node."""
     if entry is None or entry.longest is None or entry.longest.at_max is None:
@@ -508,24 +436,7 @@ def host_needs(estimate: Estimate, entry: ModeEstimate | None) -> tuple[int, int
     zero3 = (at.params_host_bytes or 0) * ranks // training.sp_size
     if not pool and not zero3:
         return None
-    return pool, zero3, pool * ranks + zero3
-
-
-def host_json(estimate: Estimate, entry: ModeEstimate | None) -> dict | None:
-    host, needs = estimate.host, host_needs(estimate, entry)
-    if host is None and needs is None:
-        return None
-    item = {"ram_per_rank_bytes": None if host is None else host.ram_bytes,
-            "source": "unlimited" if host is None else host.source,
-            "node_ram_bytes": None if host is None else host.node_ram_bytes,
-            "zero3_per_rank_bytes": None if host is None else host.zero3_rank_bytes,
-            "hf_offload_budget_bytes": estimate.request.training.host_budget_bytes}  # fmt: skip
-    if needs is not None:
-        pool, zero3, total = needs
-        ranks = ranks_per_node(estimate.request.training)
-        item.update(seq_len=entry.longest.max_seq_len, hf_offload_per_rank_bytes=pool, ranks_per_node=ranks,
-                    zero3_per_node_bytes=zero3, per_node_bytes=total)  # fmt: skip
-    return item
+    return HostNeeds(pool, zero3, pool * ranks + zero3, ranks)
 
 
 _worker_simulator: list = []  # a forked worker's model, built at its first mode
@@ -578,12 +489,12 @@ def _estimate_mode(simulator: Simulator, request: Request, mode: str, *, pair=No
     if request.memory_bytes is not None:
         # What generation keeps on the GPU during the step (vLLM colocated) is not the step's, nor
         # what a real run allocates beside it (the reserve).
-        step_memory = request.memory_bytes - (plan.during_step if plan is not None else 0) - request.reserve_bytes
+        step_memory = request.usable_bytes - (plan.during_step if plan is not None else 0)
         limit = None
         if plan is not None and plan.how.on_this_gpu:
             # Generation on this GPU bounds the answer, and it is known without searching the step:
             # the step at that bound fits, or the step's own search finds where below it.
-            limit, _reason = plan.longest(request.memory_bytes, request.granularity)
+            limit, _reason = plan.longest(request.usable_bytes, request.granularity)
             table = position_limit(request, simulator.positions)
             at_table = limit is not None and table is not None and limit >= table
             if at_table:  # generation would go past the model's position table: the table ends it
@@ -636,6 +547,7 @@ def _estimate_mode(simulator: Simulator, request: Request, mode: str, *, pair=No
     if plan is not None:
         entry.step_capped = capped
         _with_generation(entry, plan, simulator, request, run)
+    _mode_facts(entry, request)
     for result in results.values():
         result.trace = None  # the per-op lines are only for the search
     return entry
@@ -656,7 +568,7 @@ def _generation_plan(simulator: Simulator, request: Request, mode: str) -> Gener
     plan = GenerationPlan(how, trl.generation_rows, trl.prompt_length, simulated, simulator.resident_bytes,
                           training.device.workspace_bytes, share, model_positions(request.config),
                           training.four_bit)  # fmt: skip
-    hold_generation(plan, simulator, mode, request.memory_bytes, request.granularity, request.seq_len)
+    hold_generation(plan, simulator, mode, request.usable_bytes, request.granularity, request.seq_len)
     return plan
 
 
@@ -669,7 +581,7 @@ def _with_generation(entry: ModeEstimate, plan: GenerationPlan, simulator: Simul
     entry.generation = plan
     if request.memory_bytes is not None:
         entry.step_longest = step_longest = entry.longest
-        limit, entry.generation_reason = plan.longest(request.memory_bytes, request.granularity)
+        limit, entry.generation_reason = plan.longest(request.usable_bytes, request.granularity)
         entry.generation_longest = limit
         answer = step_longest.max_seq_len
         if plan.how.on_this_gpu:
@@ -729,50 +641,6 @@ def tier_estimate(step: StepResult, request: Request) -> tuple[list[str], DiskTi
     return places, timing
 
 
-def tiers_json(step: StepResult, request: Request) -> dict | None:
-    found = tier_estimate(step, request)
-    if found is None:
-        return None
-    places, timing = found
-    plan = step.tiers
-    disk = None
-    if timing is not None:
-        disk = {
-            "gbps": timing.gbps,
-            "layer_bytes": timing.layer_bytes,
-            "write_seconds": timing.write_seconds,
-            "read_seconds": timing.read_seconds,
-            "layer_forward_seconds": timing.forward_seconds,
-            "layer_backward_seconds": timing.backward_seconds,
-            "hidden": timing.hidden,
-            "exposed_seconds": timing.exposed_seconds,
-        }
-    return {
-        "layers": places,
-        "disk_layers": plan.disk_layers,
-        "host_bytes": plan.host_bytes,
-        "staging_bytes": plan.staging_bytes,
-        "disk_bytes": plan.disk_bytes,
-        "fits": plan.fits,
-        "host_short": plan.host_short,
-        "disk": disk,
-    }
-
-
-# -- text ------------------------------------------------------------------------------------------
-
-
-def gib(nbytes: float | None) -> str:
-    return "-" if nbytes is None else f"{nbytes / GIB:.2f}"
-
-
-def size(nbytes: float | None) -> str:
-    """GiB with two decimals, or MiB under one GiB (tiny models)."""
-    if nbytes is None:
-        return "-"
-    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.1f} MiB"
-
-
 # The disk tier's directory in a recipe: the user's own (`disk_dir` must exist on a local disk).
 DISK_DIR = "/path/to/local/disk"
 
@@ -827,18 +695,6 @@ def _keywords(options: dict) -> str:
     return ", ".join(f"{name}={value!r}" for name, value in options.items())
 
 
-# What the GRPO estimate says of where generation runs, by TRL's setting (one home for each).
-GENERATION_SERVER = (
-    "generation runs in the vLLM server, on other GPUs: this GPU's answer is the training step's; the server's "
-    "GPUs need vLLM's weights and the KV cache of the generation batch"
-)
-
-
-def length_name(training: Training) -> str:
-    """What the searched length counts: a TRL DPO or GRPO step's completions, else whole sequences."""
-    return "completion" if training.trl is not None and training.trl.trainer != "sft" else "sequence"
-
-
 def longest_mode(estimate: Estimate) -> ModeEstimate | None:
     """The mode that trains the longest sequence, if any fits; of equals (GRPO's generation can
     bound several), the one that needs the least host memory, then the fewest lines to add."""
@@ -852,124 +708,7 @@ def longest_mode(estimate: Estimate) -> ModeEstimate | None:
     return max(found, key=rank, default=None)
 
 
-def _headline_lines(estimate: Estimate) -> list[str]:
-    """The answer first: the longest sequence per mode, and what to add for the longest."""
-    request = estimate.request
-    device = request.training.device
-    where = device.name if request.memory_bytes == int(device.memory_gib * GIB) else "the device"
-    training = request.training
-    trl = "" if training.trl is None else f", {training.trl.describe(peft=training.lora_rank is not None)}"
-    lines = [
-        f"Longest {length_name(training)} in {size(request.memory_bytes)} ({where}), batch {training.batch_size} "
-        f"(simulated){trl}:"
-    ]
-
-    ordered = sorted(estimate.modes, key=lambda entry: -(entry.longest.max_seq_len or 0))
-    if any(entry.generation is not None for entry in estimate.modes):
-        lines.extend(_generation_how_lines(estimate))
-    for entry in ordered:
-        longest = entry.longest
-        if longest.max_seq_len is None:
-            lines.append(f"  {entry.mode:<34}{'none fits':>12}")
-            lines.extend(f"    {line}" for line in _none_fits_lines(entry, request))
-            continue
-        at = longest.at_max
-        value = _longest_value(longest)
-        host = f", host {size(at.host_bytes)}" if at.host_bytes else ""
-        if at.tiers is not None:
-            host = f", {_tiers_needed(at, request)}"
-        what = "step peak" if entry.generation is not None else "peak"
-        lines.append(f"  {entry.mode:<34}{value:>12} tokens  ({what} {size(at.peak_bytes)}{host})")
-        if entry.generation is not None:
-            lines.extend(f"    {line}" for line in _generation_lines(entry, request))
-    lines.extend(_position_lines(estimate))
-    best = longest_mode(estimate)
-    lines.extend(_reserve_lines(estimate))
-    lines.extend(_host_lines(estimate, best))
-    lines.extend(_host_node_lines(estimate, best))
-    if best is not None:
-        model_type = getattr(request.config.get_text_config(), "model_type", "llama")
-        steps = recipe(best.mode, model_type, request.training)
-        if steps:
-            amount = f"{best.longest.max_seq_len:,}" + (" tokens" if length_name(training) == "sequence" else
-                                                          "-token completions")  # fmt: skip
-            lines.append(f"To train {amount} ({best.mode}), add after loading the model, "
-                         "with `import hf_offload`:")  # fmt: skip
-            lines.extend(f"    {line}" for line in steps)
-    return lines
-
-
-def _generation_how_lines(estimate: Estimate) -> list[str]:
-    trl = estimate.request.training.trl
-    how = trl.generation
-    lines = [f"  generation: {how.describe()}, {trl.generation_rows} rows decoded together (the generation batch)"]
-    if how.use_vllm:
-        lines.append(f"    vLLM releases assumed: {vllm_range(how.vllm_version, estimate.request.training.four_bit)}")
-    if how.colocated:
-        lines.append(f"    vLLM assumed (not run here): {VLLM_ASSUMPTIONS}")
-    elif not how.use_vllm:
-        lines.append(
-            "    simulated: transformers' generate on the meta device, through the prefill and "
-            f"{DECODE_STEPS} decode steps; the KV cache's growth, exactly linear in the step, extrapolated; every row "
-            "decodes to the longest completion"
-        )
-    else:
-        lines.append(f"    {GENERATION_SERVER}")
-    return lines
-
-
-def _generation_lines(entry: ModeEstimate, request: Request) -> list[str]:
-    """Under a GRPO answer: generation's peak there and what limits each, then the cycle's time."""
-    plan = entry.generation
-    length = entry.longest.max_seq_len
-    step_alone = entry.step_longest.max_seq_len if entry.step_longest is not None else None
-    alone = "none" if step_alone is None else f"{step_alone:,}"
-    if entry.step_capped:
-        alone = "further (the step fits there; its own limit is not searched)"
-    lines = []
-    if plan.how.on_this_gpu:
-        peak = plan.peak_bytes(length)
-        limit = "-" if entry.generation_longest is None else f"{entry.generation_longest:,}"
-        beside = f" beside the {size(plan.during_step)} vLLM keeps during it" if plan.during_step else ""
-        lines.append(
-            f"generation's peak {size(peak)} (set by {entry.generation_reason}: up to {limit}); the step alone"
-            f"{beside} reaches {alone}"
-        )
-    else:
-        rows = plan.rows
-        kv = plan.simulated.kv_bytes_per_token * rows * (plan.prompt_length + length)
-        lines.append(f"the server's GPUs: vLLM's weights and {size(kv)} of KV cache for {rows} rows at that length")
-    cycle = entry.cycle
-    if cycle is not None:
-        lines.append(_cycle_line(entry))
-        lines.extend(f"  {note}" for note in cycle.notes)
-    return lines
-
-
-def _cycle_line(entry: ModeEstimate) -> str:
-    cycle, plan = entry.cycle, entry.generation
-    micro = plan.rows // (entry.step.batch_size or 1)
-    host = f", {cycle.host_bound_steps:,} of them host-bound at the slow end" if cycle.host_bound_steps else ""
-    sync = ""
-    if plan.how.use_vllm:  # TRL's push of the policy's weights into vLLM before each generation (modelled)
-        sync = f" + weight sync {cycle.sync * 1e3:.0f} ms" if cycle.sync < 1 else f" + weight sync {cycle.sync:.1f} s"
-    return (
-        f"one generation batch at {entry.cycle_length:,} tokens (simulated; time modelled): {_seconds(cycle.low)}-"
-        f"{_seconds(cycle.high)} = generation {_seconds(cycle.generation_low)}-{_seconds(cycle.generation_high)} "
-        f"(prefill {cycle.prefill:.1f} s + {cycle.steps:,} decode steps{host}{sync}) + scoring "
-        f"{_seconds(cycle.scoring)} + training {_seconds(cycle.training)} ({micro} policy steps)"
-    )
-
-
-def _seconds(value: float) -> str:
-    if value >= 3600:
-        return f"{value / 3600:.1f} h"
-    if value >= 60:
-        return f"{value / 60:.1f} min"
-    return f"{value:.1f} s"
-
-
-def _fixed_parts(entry: ModeEstimate) -> tuple[StepResult, int, dict[str, int], int] | None:
+def _fixed_parts(entry: ModeEstimate) -> NoneFits | None:
     """Where the step fits at no length: the shortest step simulated, the memory it had, what no
     length changes at its peak (weights, reference model, optimizer state, gradients), and the
     floor no length goes under: the optimizer's step (weights, gradients, optimizer state and its
@@ -983,262 +722,12 @@ def _fixed_parts(entry: ModeEstimate) -> tuple[StepResult, int, dict[str, int], 
     resident = step.peak.live_by_tag and sum(n for tag, n in step.peak.live_by_tag.items()
                                              if tag[0] in ("weights", "reference", "optimizer"))  # fmt: skip
     floor = max(optimizer, resident or 0) + step.workspace_bytes
-    return step, search.memory_bytes, fixed, floor
-
-
-def none_fits_json(entry: ModeEstimate) -> dict | None:
-    found = _fixed_parts(entry)
-    if found is None:
-        return {"generation": entry.generation_reason} if entry.generation_reason else None
-    step, usable, fixed, floor = found
-    return {"seq_len": step.seq_len, "peak_bytes": step.peak_bytes, "usable_bytes": usable,
-            "fixed_bytes": floor, "fixed_parts_at_peak": fixed, "workspace_bytes": step.workspace_bytes,
-            "generation": entry.generation_reason or None,
-            "vllm_during_step": entry.generation.during_step_words(usable) if entry.generation else None}  # fmt: skip
-
-
-def _none_fits_lines(entry: ModeEstimate, request: Request) -> list[str]:
-    """Why no length fits: what the shortest step simulated held, and the floor no length goes
-    under (the optimizer's step: weights, gradients, optimizer state); or generation's limit."""
-    lines = []
-    found = _fixed_parts(entry)
-    if found is not None:
-        step, usable, fixed, floor = found
-        named = ", ".join(f"{_PHASE_WORDS[phase]} {size(n)}" for phase, n in fixed.items())
-        lines.append(f"at {step.seq_len:,} tokens the step peaks at {size(step.peak_bytes)} of {size(usable)} usable "
-                     f"({_where(step)}; {named} there)")  # fmt: skip
-        what = "weights, gradients and optimizer state" if request.training.optimizer_states else "the weights"
-        if "reference" in fixed:
-            what = what.replace("weights", "weights (the reference model's too)", 1)
-        verdict = "more than the device has: no length fits" if floor > usable else "the rest is the step's"
-        lines.append(f"{what} alone, at any length (the optimizer's step, with the library workspaces), peak at "
-                     f"{size(floor)} of {size(usable)}: {verdict}")  # fmt: skip
-    if entry.generation is not None and entry.generation_longest is None and entry.generation.how.on_this_gpu:
-        lines.append(f"generation: {entry.generation_reason}")
-    if found is not None and entry.generation is not None:
-        share = entry.generation.during_step_words(found[1])
-        lines.extend([share] if share else [])
-    return lines
-
-
-def _host_lines(estimate: Estimate, best: ModeEstimate | None) -> list[str]:
-    """What the longest needs of the host: with unlimited host memory, the RAM its pool takes; where
-    the host's memory ended it early, what a disk tier beside it reaches and needs."""
-    training = estimate.request.training
-    if best is None or best.longest.at_max is None or not best.longest.at_max.host_bytes:
-        return []
-    if training.host_memory_bytes is None:
-        pool = best.longest.at_max.host_bytes
-        return [
-            f"  host RAM: hf_offload's pinned pool takes {size(pool)} at {best.longest.max_seq_len:,} tokens (it "
-            f"may use {HOST_MEMORY_SHARE:.0%} of the RAM: a machine with {size(pool / HOST_MEMORY_SHARE)}); with "
-            "less, --host-memory GIB says how much disk it needs instead"
-        ]
-    if estimate.with_disk is None:
-        return []
-    disk_request, entry = estimate.with_disk
-    at = entry.longest.at_max
-    if at is None:
-        return []
-    return [
-        f"  past the {size(training.host_memory_bytes)} of host RAM hf_offload draws on, a disk tier "
-        f"(enable_activation_offloading(disk_dir=...), {disk_request.disk_rate:g} GB/s) reaches "
-        f"{entry.longest.max_seq_len:,} tokens: "
-        f"{_tiers_needed(at, disk_request)}"
-    ]
-
-
-def table(header: list[str], rows: list[list[str]], widths: tuple[int, ...]) -> list[str]:
-    """A text table: the first column left-aligned, the next `len(widths) - 1` right-aligned, each
-    at least its width in `widths` and wider where a cell needs it (two spaces always between
-    columns: a step of 20,059,145 TFLOP and 18,781.58 s stays two numbers); a column after those
-    (free text, "peak at") follows two spaces after the last."""
-    sized = [
-        max(minimum, max(len(row[i]) for row in [header, *rows]) + 2)
-        for i, minimum in enumerate(widths)
-    ]
-    lines = []
-    for row in [header, *rows]:
-        figures = zip(row[1 : len(widths)], sized[1:], strict=True)
-        cells = [f"{row[0]:<{sized[0]}}"] + [f"{cell:>{width}}" for cell, width in figures]
-        rest = "".join(f"  {cell}" for cell in row[len(widths) :])
-        lines.append("".join(cells) + rest)
-    return lines
-
-
-def _reserve_lines(estimate: Estimate) -> list[str]:
-    """What the answer leaves free of the device's memory, item by item."""
-    reserve, memory = estimate.reserve, estimate.request.memory_bytes
-    if reserve is None:
-        return []
-    left = memory - reserve.bytes
-    within = f"so each step above peaks within {size(left)}" if left > 0 else "more than the device's memory"
-    lines = [f"  left free for what a real run allocates beside the step (--reserve NAME=GIB to change): "
-             f"{size(reserve.bytes)}, {within} of {size(memory)}"]  # fmt: skip
-    for item in reserve.items:
-        lines.append(f"    {item.name}: {item.what}: {size(item.bytes)} ({item.source})")
-    return lines
-
-
-def _host_node_lines(estimate: Estimate, best: ModeEstimate | None) -> list[str]:
-    """The host the answer needs per node, against the host it was given (per rank and node)."""
-    needs, host = host_needs(estimate, best), estimate.host
-    lines = []
-    if host is not None:
-        zero3 = f", ZeRO-3's share {size(host.zero3_rank_bytes)} of it" if host.zero3_rank_bytes else ""
-        budget = estimate.request.training.host_budget_bytes
-        share = f"{HOST_MEMORY_SHARE:.0%}"
-        lines.append(f"  host memory per rank: {size(host.ram_bytes)} ({host.source}){zero3}; hf_offload's "
-                     f"budget {size(budget)} (its {share} of the rest; --unlimited-host lifts it)")  # fmt: skip
-    if needs is not None:
-        pool, zero3, total = needs
-        node = None if host is None else host.node_ram_bytes
-        machine = "" if node is None else f" of the machine's {size(node)}"
-        ranks = ranks_per_node(estimate.request.training)
-        parts = f"hf_offload {size(pool)} x {ranks} rank(s)" + (f" + ZeRO-3 {size(zero3)}" if zero3 else "")
-        lines.append(f"  host per node at {best.longest.max_seq_len:,} tokens: {parts} = {size(total)}{machine}")
-    return lines
-
-
-def format_estimate(estimate: Estimate, *, device_given: bool) -> str:
-    request = estimate.request
-    lines = [_setup_line(request, estimate.host), ""]
-    if request.memory_bytes is not None:
-        lines.extend(_headline_lines(estimate))
-        lines.append("")
-    elif estimate.notes:
-        lines.extend([*_position_lines(estimate), ""])
-    large = max(entry.step.peak_bytes for entry in estimate.modes) >= GIB
-    unit, scale = ("GiB", GIB) if large else ("MiB", 2**20)
-    flop_unit, flop_scale = ("TFLOP", 1e12) if large else ("GFLOP", 1e9)
-
-    def amount(nbytes):
-        return "-" if nbytes is None else f"{nbytes / scale:.2f}"
-
-    header = ["mode", "peak " + unit, "host " + unit, "moved " + unit, flop_unit, "step s", "peak at"]
-    rows = [
-        [entry.mode, amount(entry.step.peak_bytes), amount(entry.step.host_bytes), amount(entry.step.offloaded_bytes),
-         f"{entry.step.flops / flop_scale:.0f}", f"{entry.step_seconds:.2f}", _where(entry.step)]
-        for entry in estimate.modes
-    ]  # fmt: skip
-    lines.extend(table(header, rows, widths=(32, 10, 10, 11, 9, 8)))
-    lines.append(
-        "(peak: allocated device bytes, what torch.cuda.max_memory_allocated reports; host: hf_offload's pinned "
-        f"pool; moved: bytes offloaded per step; {flop_unit}: flop_counter's count, attention over the full square)"
-    )
-    for entry in estimate.modes:
-        lines.append("")
-        lines.extend(_composition_lines(entry))
-        copies = _copy_line(entry, request) or _nothing_moved_line(entry, request)
-        if copies:
-            lines.append(copies)
-        lines.extend(_parallel_lines(entry, request))
-        lines.extend(_tier_lines(entry.step, request))
-        if entry.generation is not None and request.memory_bytes is None:
-            peak = entry.generation.peak_bytes(entry.cycle_length)
-            where = "on the server's GPUs" if peak is None else f"peak {size(peak)} on this GPU"
-            lines.append(f"  generation at {entry.cycle_length:,} tokens ({entry.generation.how.describe()}): {where}")
-            lines.append(f"  {_cycle_line(entry)}")
-    if request.memory_bytes is not None:
-        lines.append("")
-        lines.extend(_longest_lines(estimate))
-    lines.append("")
-    lines.extend(_assumption_lines(request, device_given=device_given))
-    lines.extend(_kernel_lines(estimate))
-    lines.append(f"simulated in {estimate.seconds:.0f} s")
-    return "\n".join(lines)
-
-
-def _setup_line(request: Request, host: HostPlan | None = None) -> str:
-    training = request.training
-    dtype = str(training.dtype).removeprefix("torch.")
-    if training.lora_rank is None:
-        tuning = "full fine-tuning"
-    else:
-        targets = training.lora_targets if isinstance(training.lora_targets, str) else ",".join(training.lora_targets)
-        adapters = str(training.lora_dtype).removeprefix("torch.")
-        tuning = f"LoRA r={training.lora_rank} on {targets} ({adapters} adapters)"
-        if training.four_bit is not None:
-            tuning += f" on a {training.four_bit.describe()}"
-    optimizer = "AdamW step" if training.optimizer_states else "no optimizer step (forward and backward)"
-    host_bytes = training.host_memory_bytes
-    host_text = "unlimited host memory" if host_bytes is None else f"{size(host_bytes)} of host memory"
-    if host is not None:  # the rank's RAM, ZeRO-3's share of it included
-        host_text = f"{size(host.ram_bytes)} of host memory"
-    if training.disk_memory_bytes is not None:
-        host_text += f" and {size(training.disk_memory_bytes)} of disk at {request.disk_rate:g} GB/s"
-    tiles = "" if training.tile_tokens is None else f", {training.tile_tokens} tokens per tiled slice"
-    if training.autocast is not None:
-        dtype = f"{dtype} weights under {str(training.autocast).removeprefix('torch.')} autocast"
-    padded = ", padded" if training.padded else ""
-    if training.sp_size > 1:
-        padded += f", one rank of {training.sp_size} under Ulysses sequence parallelism"
-    if training.offload_params:
-        padded += ", weights and optimizer on the host (ZeRO-3 offload)"
-    step, length = "the loss", f"{request.seq_len} tokens"
-    if training.trl is not None:
-        padded += f", {training.trl.describe(peft=training.lora_rank is not None)}"
-        step = "TRL's fused loss head"
-        if training.trl.trainer != "sft":
-            length = f"{request.seq_len}-token completions"
-    return (
-        f"{request.name}: {tuning}, {dtype}, batch {training.batch_size} x {length}{padded}, "
-        f"{optimizer}, {host_text}{tiles}; simulated on the meta device (the real step, without data: transformers, "
-        f"PEFT, checkpointing, hf_offload's engine, {step})"
-    )
-
-
-_PLACES = {
-    "loss": "the loss head",
-    "lm_head": "the loss head",
-    "norm": "the final norm",
-    "embed_tokens": "the embeddings",
-}
-
-
-def _where(step: StepResult) -> str:
-    """"in backward, in layer 31 mlp, at aten.mm (MmBackward0)"."""
-    peak = step.peak
-    phase, module = (peak.tag + ("", ""))[:2]
-    op = peak.op.removesuffix(".default")
-    node = f" ({peak.node})" if peak.node else ""
-    place = f", in {_PLACES.get(module, module)}" if module else ""
-    return f"in {phase}{place}, at aten.{op}{node}"
+    usable = search.memory_bytes
+    words = entry.generation.during_step_words(usable) if entry.generation is not None else None
+    return NoneFits(step, usable, fixed, floor, words)
 
 
 _RESIDENT_PHASES = ("weights", "reference", "optimizer", "gradients")
-_PHASE_WORDS = {
-    "weights": "weights",
-    "reference": "the reference model's weights",
-    "scoring": "made under no_grad (reference, old log-probs) by",
-    "gradients": "gradients",
-    "optimizer": "optimizer state",
-    "forward": "made in forward by",
-    "recompute": "recomputed in backward by",
-    "backward": "made in backward by",
-    "restored": "brought back by hf_offload for",
-}
-
-
-def _composition_lines(entry: ModeEstimate) -> list[str]:
-    step = entry.step
-    lines = [f"{entry.mode}: {size(step.peak_bytes)} at the peak, {_where(step)}"]
-    small = 0
-    for part in composition(step.peak):
-        if part.bytes < SMALL_PART * step.tracked_peak_bytes:
-            small += part.bytes
-            continue
-        words = _PHASE_WORDS.get(part.phase, part.phase)
-        what = f" {part.what}" if part.what else ""
-        each = f" ({size(part.bytes / part.layers)} each)" if part.layers > 1 else ""
-        lines.append(f"  {words}{what}: {size(part.bytes)}{each}")
-    workspace = step.peak.workspace
-    if workspace is not None:
-        lines.append(f"  {workspace[0]} (the kernel's own, at that op): {size(workspace[1])}")
-    lines.append(f"  cuBLAS workspaces: {size(step.workspace_bytes)}")
-    if small:
-        lines.append(f"  smaller parts together: {size(small)}")
-    return lines
 
 
 def _layer_seconds(step: StepResult, phases: tuple[str, ...], device: Device, request: Request) -> float:
@@ -1256,224 +745,3 @@ def _layer_seconds(step: StepResult, phases: tuple[str, ...], device: Device, re
     return seconds * own / total
 
 
-def _copy_line(entry: ModeEstimate, request: Request) -> str | None:
-    step = entry.step
-    if not step.layer_offloaded_bytes:
-        return None
-    device = request.training.device
-    link = (request.link_gbps or device.link_gbps) * 1e9
-    copy = step.layer_offloaded_bytes / link
-    forward = _layer_seconds(step, ("forward",), device, request)
-    backward = _layer_seconds(step, ("backward", "recompute"), device, request)
-    hides = "yes" if copy <= forward and copy <= backward else "no"
-    return (
-        f"  per offloaded layer: {size(step.layer_offloaded_bytes)} each way, {copy * 1e3:.1f} ms at "
-        f"{link / 1e9:g} GB/s, against {forward * 1e3:.1f} ms of the layer's forward and {backward * 1e3:.1f} ms of "
-        f"its backward: copies hide behind compute: {hides}"
-    )
-
-
-# Why hf_offload left saved tensors on the device (the engine's KEEP_REASONS), for a mode that moved nothing.
-_KEPT = {
-    "too_small": "under min_offload_bytes ({min_bytes})",
-    "parameter": "weights or views of them",
-    "leaf": "inputs requiring grad",
-    "kept_layer": "in the last {keep} layer(s), kept (keep_last_layers)",
-    "kept_for_budget": "in layers the device budget had room for",
-    "duplicate": "already offloaded (shared storage)",
-    "unsupported": "of a kind it does not move",
-    "over_budget": "past the host budget",
-    "no_host_memory": "without host memory",
-}
-
-
-def _nothing_moved_line(entry: ModeEstimate, request: Request) -> str | None:
-    """A mode with hf_offload that moved nothing says why: at short sequences of a small model
-    every saved tensor is under min_offload_bytes."""
-    step, training = entry.step, request.training
-    if not parse_mode(entry.mode).hf_offload or step.offloaded_bytes or not step.offload_stats:
-        return None
-    tensors, nbytes = step.offload_stats.get("kept_tensors", {}), step.offload_stats.get("kept_bytes", {})
-    reasons = [
-        f"{count} {_KEPT.get(reason, reason)}: {size(nbytes.get(reason, 0))}"
-        for reason, count in sorted(tensors.items(), key=lambda item: -nbytes.get(item[0], 0))
-        if count
-    ]
-    kept = "; ".join(reasons).format(min_bytes=size(training.min_offload_bytes), keep=training.keep_last_layers)
-    return f"  hf_offload moved nothing: the saved tensors it saw stayed on the device: {kept or 'none seen'}"
-
-
-def _parallel_lines(entry: ModeEstimate, request: Request) -> list[str]:
-    step, device = entry.step, request.training.device
-    lines = []
-    if step.sp_size > 1:
-        lines.append(
-            f"  sequence parallel: this rank's {step.rank_seq_len} tokens of {step.seq_len}; its {step.sp_exchanges} "
-            f"all-to-alls send {size(step.sp_sent_bytes)} (and receive as much), {entry.sp_seconds * 1e3:.1f} ms at "
-            f"{device.peer_gbps:g} GB/s per direction, in the step time"
-        )
-    if step.params_host_bytes is not None:
-        link = (request.link_gbps or device.link_gbps) * 1e9
-        gathered = step.params_gathered_bytes
-        timed = entry.time
-        low, high = timed.host_optimizer
-        lines.append(
-            "  parameters offloaded (ZeRO-3, offload_param and offload_optimizer to the CPU): "
-            f"{size(step.params_host_bytes)} on the host (weights, float32 gradients, master weights and AdamW "
-            f"states); the device gathered {size(gathered)} of weights, {gathered / link:.2f} s at {link / 1e9:g} "
-            f"GB/s, prefetched behind compute ({timed.exposed_weights:.2f} s of it not hidden); the host's optimizer "
-            f"step {low:.1f}-{high:.1f} s (DeepSpeed's CPU Adam at {HOST_MEMORY_GBPS[1]:g}-{HOST_MEMORY_GBPS[0]:g} "
-            "GB/s of host memory, assumed), in the step time at the middle of that range"
-        )
-    return lines
-
-
-def _tiers_needed(step: StepResult, request: Request) -> str:
-    """What a step with a disk tier needs: "host 96.00 GiB + disk 168.00 GiB, the disk's time hidden"."""
-    plan = step.tiers
-    found = tier_estimate(step, request)
-    timing = found[1] if found else None
-    text = f"host {size(plan.host_bytes)} + disk {size(plan.disk_bytes)}"
-    if timing is not None:
-        text += f", the disk's time {'hidden' if timing.hidden else f'not hidden (~{timing.exposed_seconds:.3g} s)'}"
-    if not plan.fits:
-        text += ", more than host and disk hold"
-    return text
-
-
-def _tier_lines(step: StepResult, request: Request) -> list[str]:
-    found = tier_estimate(step, request)
-    if found is None:
-        return []
-    places, timing = found
-    plan, training = step.tiers, request.training
-    if plan.host_short:
-        verdict = "does not fit: the staging buffers alone exceed the host budget"
-    elif not plan.fits:
-        verdict = "does not fit: the disk budget is short"
-    else:
-        verdict = "fits"
-    lines = [
-        f"  host memory and disk (hf_offload's budgets: {size(training.host_budget_bytes)} of host memory, "
-        f"{size(training.disk_budget_bytes)} of disk): {describe_places(places)}; needs host "
-        f"{size(plan.host_bytes)} ({size(plan.staging_bytes)} of it staging), disk {size(plan.disk_bytes)}: {verdict}"
-    ]
-    if timing is not None:
-        hides = "yes" if timing.hidden else f"no (about {timing.exposed_seconds:.3g} s added to the step)"
-        lines.append(
-            f"  per disk layer: {size(timing.layer_bytes)}, {timing.write_seconds:.2f} s to write and as long to "
-            f"read at {timing.gbps:g} GB/s, against {timing.forward_seconds:.2f} s of a layer's forward and "
-            f"{timing.backward_seconds:.2f} s of its backward: the disk's time hides behind compute: {hides}"
-        )
-    return lines
-
-
-def _longest_value(longest: LongestSequence, *, grouped: bool = True) -> str:
-    """The longest length as shown: '>= LONGEST' where the search ran out of lengths, and marked *
-    where the model's position table stopped it, not memory."""
-    if longest.reached_limit and longest.limit >= LONGEST:
-        return f">= {LONGEST:,}" if grouped else f">={LONGEST}"
-    value = f"{longest.max_seq_len:,}" if grouped else f"{longest.max_seq_len}"
-    return value + ("*" if longest.reached_limit else "")
-
-
-def _position_lines(estimate: Estimate) -> list[str]:
-    """What the model's position table did to the request and to the search."""
-    lines = [f"  {note}" for note in estimate.notes]
-    capped = [entry.mode for entry in estimate.modes if entry.longest is not None and entry.longest.reached_limit
-              and entry.longest.limit < LONGEST]  # fmt: skip
-    if capped and estimate.positions is not None:
-        table = estimate.positions.describe(estimate.request.config.get_text_config().model_type)
-        lines.append(
-            f"  * {table}: no longer sequence runs (on a GPU, an index out of range), whatever the memory; "
-            f"{', '.join(capped)} fit there"
-        )
-    return lines
-
-
-def _longest_lines(estimate: Estimate) -> list[str]:
-    request = estimate.request
-    memory = request.memory_bytes
-    lines = [
-        f"longest {length_name(request.training)} in {size(memory)} (batch {request.training.batch_size}; bisection "
-        "on multiples of "
-        f"{request.granularity} tokens, from a bracket predicted by two simulated lengths):",
-    ]
-    rows = []
-    for entry in estimate.modes:
-        longest = entry.longest
-        at = longest.at_max
-        value = "none" if longest.max_seq_len is None else _longest_value(longest, grouped=False)
-        per_token = "-" if entry.bytes_per_token is None else f"{entry.bytes_per_token / 1e6:.3f}"
-        # With a disk tier the step was simulated with every layer offloaded: the host holds what
-        # the tiers' plan leaves it, not all of that.
-        host_there = None if at is None else at.tiers.host_bytes if at.tiers is not None else at.host_bytes
-        rows.append([entry.mode, value, per_token, gib(at.peak_bytes if at else None), gib(host_there),
-                     str(len(longest.probes))])  # fmt: skip
-    header = ["mode", "max seq", "MB/token", "peak GiB there", "host GiB there", "runs"]
-    lines.extend(table(header, rows, widths=(32, 9, 10, 16, 16, 6)))
-    for entry in estimate.modes:
-        at = entry.longest.at_max
-        if at is not None and at.tiers is not None:
-            lines.append(f"  {entry.mode} at {at.seq_len:,} tokens: {_tiers_needed(at, request)}")
-    host = request.training.host_memory_bytes
-    if host is None:
-        needs = [e for e in estimate.modes if e.longest.at_max and e.longest.at_max.host_bytes]
-        if needs:
-            lines.append(
-                "host memory is unlimited here: give --host-memory GIB to hold hf_offload to a host's RAM (tensors "
-                "over its budget stay on the device, as in training; the answer then says what a disk tier beside it "
-                "reaches)"
-            )
-    return lines
-
-
-def _assumption_lines(request: Request, *, device_given: bool) -> list[str]:
-    device = request.training.device
-    note = "" if device_given else " (the default: --device to choose one, --list-devices for all)"
-    lines = [
-        f"assumed device: {device.name}{note}: {device.tflops:g} TFLOP/s sustained bf16 matmul, "
-        f"{device.fp32_tflops:g} float32, {device.link_gbps:g} GB/s host link per direction, "
-        f"{device.memory_tbps:g} TB/s memory, compute capability {'.'.join(map(str, device.compute_capability))}",
-        f"  source: {device.source}",
-        f"  step time: matmuls at {request.efficiency or MATMUL_EFFICIENCY:g} of the rate of their dtype, attention "
-        f"(what the kernel computes: half the square when causal) at {ATTENTION_EFFICIENCY:g}, memory-bound ops at "
-        f"{MEMORY_EFFICIENCY:g} of the memory bandwidth (fitted to the H200's ten step times, each within 7.1% of a "
-        "fit to the other nine; published steps of 0.5M-15M tokens: docs/published.md); offloading's copies not "
-        "included",
-    ]
-    lines.extend(linear_attention_lines(request.config))
-    if request.tflops is not None:
-        lines.append(f"  matmul rate: {request.tflops:g} TFLOP/s, given with --tflops")
-    if request.link_gbps is not None:
-        lines.append(f"  host link: {request.link_gbps:g} GB/s, given with --link-gbps")
-    if request.efficiency is not None:
-        lines.append(f"  matmul efficiency: {request.efficiency:g}, given with --efficiency")
-    if request.training.disk_memory_bytes is not None:
-        given = "given with --disk-gbps" if request.disk_gbps is not None else "assumed: one NVMe drive's low end"
-        lines.append(
-            f"  disk: {request.disk_rate:g} GB/s each way ({given}); a disk layer's write hides when it takes no "
-            "longer than a layer's forward, its read when no longer than a layer's backward (docs/tiers.md)"
-        )
-    return lines
-
-
-def _kernel_lines(estimate: Estimate) -> list[str]:
-    """On Hopper the attention kernel moves a long step's time by more than anything else."""
-    request = estimate.request
-    flash = [(entry.mode, _flash_attention_2_seconds(entry, request)) for entry in estimate.modes]
-    flash = [(mode, seconds) for mode, seconds in flash if seconds is not None]
-    if not flash:
-        return []
-    slowdown = attention_slowdown(FLASH_ATTENTION_2, request.training.device)
-    steps = ", ".join(f"{mode} {seconds:.2f} s" for mode, seconds in flash)
-    return [
-        "  attention kernel: the step times are for cuDNN's or FlashAttention 3's kernels (what SDPA runs on Hopper "
-        f"with a cuDNN newer than 9.15); with FlashAttention 2's (attn_implementation=\"flash_attention_2\", or SDPA's "
-        f"flash backend) attention takes {slowdown:g}x as long (fitted to published H100 steps, docs/published.md): "
-        + steps
-    ]
-
-
-def format_json(estimate: Estimate) -> str:
-    return json.dumps(estimate.as_json(), indent=2)

@@ -207,17 +207,6 @@ def uses_linear_attention(config) -> bool:
     return "linear_attention" in (getattr(text, "layer_types", None) or ())
 
 
-def linear_attention_lines(config) -> list[str]:
-    """What the estimate's output says of a hybrid model's kernels."""
-    if not uses_linear_attention(config):
-        return []
-    return [
-        "  linear attention (Gated DeltaNet layers): the GPU kernels stand in on meta with the memory their own code "
-        f"allocates on CUDA: {'; '.join(STAND_INS)} (hf_offload/tools/simulator/linear_attention.py); step times leave "
-        "out those kernels' own compute (they count none)",
-    ]
-
-
 def refuse_linear_attention_under_sp(config, sp_size: int) -> None:
     """A hybrid model under Ulysses needs an exchange around its linear-attention layers (their
     heads split across the ranks over the whole sequence: integrations/linear_attention.py), which the

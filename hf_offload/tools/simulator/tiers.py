@@ -44,19 +44,6 @@ def layer_places(plan: TierPlan, offloaded_layers: int, layers: int) -> list[str
     ]
 
 
-def describe_places(places: list[str]) -> str:
-    """The places as runs of layers: "layers 0-20 on disk, 21-30 in host memory, 31 on the device"."""
-    words = {"disk": "on disk", "host": "in host memory", "device": "on the device"}
-    runs: list[tuple[int, int, str]] = []
-    for index, place in enumerate(places):
-        if runs and runs[-1][2] == place:
-            runs[-1] = (runs[-1][0], index, place)
-        else:
-            runs.append((index, index, place))
-    parts = [f"{first}-{last}" if first != last else f"{first}" for first, last, _ in runs]
-    return "layers " + ", ".join(f"{span} {words[place]}" for span, (_, _, place) in zip(parts, runs, strict=True))
-
-
 def stored(step: StepResult) -> bool:
     """The step's copies fit host memory and disk (a step without hf_offload stores nothing)."""
     return step.tiers is None or step.tiers.fits
