@@ -89,7 +89,7 @@ def test_simulated_peaks_script_runs_end_to_end(tmp_path):
     # and the search simulates only the two grid points around it (each tiled step runs op by slice).
     argv = ["--presets", "tiny", "--modes", *modes, "--tunings", "lora", "--lengths", "256", "512",
             "--granularity", "256", "--tiled-lengths", "8192", "16384", "--tiled-granularity", "2048",
-            "--tile-tokens", "512", "--budgets", "0.15", "0.2", "--jobs", "1", "--out", str(tmp_path)]  # fmt: skip
+            "--tile-tokens", "512", "--budgets", "0.15", "0.2", "--jobs", "2", "--out", str(tmp_path)]  # fmt: skip
     assert simulated_peaks.main(argv) == 0
     (panel,) = json.loads((tmp_path / "simulated_peaks.json").read_text())
     longest = {}
@@ -121,13 +121,13 @@ def test_gpu_long_context_ladder_stage_runs_on_the_cpu(capsys):
 def test_ladder_script_runs_end_to_end(tmp_path):
     """The simulated ladder behind docs/longest_context.md, on a tiny model with small budgets:
     one row per rung, in order, each with its peaks, both budgets' longest sequences and a step
-    time; the table and the JSON written."""
+    time; the table and the JSON written. Two rungs at a time, in the estimate's forked pool."""
     import json
 
     from hf_offload.tools.benchmarks import ladder
 
     argv = ["--preset", "tiny", "--lengths", "128", "256", "512", "--memory-gib", "0.085", "0.09",
-            "--granularity", "128", "--out", str(tmp_path)]  # fmt: skip
+            "--granularity", "128", "--jobs", "2", "--out", str(tmp_path)]  # fmt: skip
     assert ladder.main(argv) == 0
     rows = json.loads((tmp_path / "ladder.json").read_text())
     assert [row["rung"] for row in rows] == [name for name, _pieces in ladder.LADDER]
