@@ -174,5 +174,5 @@ def test_grpo_table_cell_names_the_limit_that_set_it(tmp_path):
     (tmp_path / "grpo_table.meta.json").write_text(json.dumps({"date": "2026-12-08", "versions": {"trl": "1.16.0"}}))
     assert grpo_table.main(["--out", str(tmp_path), "--render"]) == 0
     rendered = (tmp_path / "grpo_table.md").read_text()
-    assert f"| RTX 4090 (24 GB) | LoRA | {found['max_seq_len']:,} (rope scaling: {scaled};" in rendered
+    assert f"| RTX 4090 (24 GB) | LoRA | {found['max_seq_len']:,} (the model's positions with yarn: 4,096;" in rendered
     assert f"`{found['command']}`" in rendered

@@ -26,11 +26,13 @@ import importlib.metadata
 import io
 import json
 import logging
+import re
 import time
 import warnings
 from pathlib import Path
 
 from hf_offload.tools import cli
+from hf_offload.tools.decode_time import grpo_points
 
 MODE = "checkpointing+hf_offload+tiled"
 QLORA = ["--load-in-4bit", "--bnb-4bit-quant-type", "nf4", "--bnb-4bit-use-double-quant", "--bnb-4bit-compute-dtype",
@@ -117,6 +119,8 @@ def cell(args: list[str]) -> dict:
         "max_seq_len_step": generation["max_seq_len_step"],
         "max_seq_len_generation": generation["max_seq_len_generation"],
         "vllm_releases": generation["vllm_releases"],
+        "prompt_length": generation["prompt_length"],
+        "during_step_gib": generation["during_step_bytes"] / 2**30,
         "generation_peak_gib": None if generation["peak_bytes"] is None else generation["peak_bytes"] / 2**30,
         "step_peak_gib": None if entry["max_seq"]["peak_bytes"] is None else entry["max_seq"]["peak_bytes"] / 2**30,
         "host_gib": None if entry["max_seq"]["host_bytes"] is None else entry["max_seq"]["host_bytes"] / 2**30,
@@ -207,23 +211,75 @@ def span(pair: list[float] | None) -> str:
     return f"{low}-{high}"
 
 
+def short(limit: str) -> str:
+    """A cell's limit as the table shows it: the figure that set it, without the estimate's reasoning."""
+    if limit.startswith(("vllm max model len:", "rope scaling:", "positions:")):
+        tokens = re.findall(r"[0-9][0-9,]*", limit)[-1]
+        scaled = " with " + limit.split(" x ")[1].split(" factor")[0] if " x " in limit else ""
+        if limit.startswith("vllm max model len: derived"):
+            return f"vLLM's max_model_len, derived from the positions{scaled}: {tokens}"
+        if limit.startswith("vllm max model len"):
+            return f"vllm_max_model_length {tokens}"
+        return f"the model's positions{scaled}: {tokens}"
+    return limit
+
+
+def prompt_length(found: dict) -> int:
+    """The cell's prompt: kept with it, or its command's --prompt-length, or the estimate's default (512)."""
+    if found.get("prompt_length") is not None:
+        return found["prompt_length"]
+    words = found["command"].split()
+    return int(words[words.index("--prompt-length") + 1]) if "--prompt-length" in words else 512
+
+
 def shown(found: dict) -> str:
     """A cell as the table shows it: the completion, what set it, the GiB at generation's peak /
-    at the step's peak, and one generation batch's time."""
+    at the step's peak (with what vLLM keeps beside the step: its whole share without sleep
+    mode), and one generation batch's time."""
     if found["max_seq_len"] is None:
         return found["limit"]
+    words = found["command"].split()
     share = ""
-    if "--vllm-gpu-memory-utilization" in found["command"]:
-        share = " at " + found["command"].split("--vllm-gpu-memory-utilization ")[1].split()[0]
+    if "--vllm-gpu-memory-utilization" in words:
+        share = " at " + words[words.index("--vllm-gpu-memory-utilization") + 1]
     gen = "-" if found["generation_peak_gib"] is None else f"{found['generation_peak_gib']:.1f}"
     step = "-" if found["step_peak_gib"] is None else f"{found['step_peak_gib']:.1f}"
-    return f"{found['max_seq_len']:,}{share} ({found['limit']}; {gen} / {step} GiB; {span(found['cycle_seconds'])})"
+    if found["vllm_share_bytes"] is not None and "--vllm-enable-sleep-mode" not in words:
+        step += f" + {found['vllm_share_bytes'] / 2**30:.1f}"
+    return (f"{found['max_seq_len']:,}{share} ({short(found['limit'])}; {gen} / {step} GiB; "
+            f"{span(found['cycle_seconds'])})")  # fmt: skip
+
+
+# Our cells' names -> the ids of Unsloth's points in published_generation.json.
+UNSLOTH = {"unsloth-110k": "unsloth-qwen3-8b-grpo-qlora-110k",
+           "unsloth-standby": "unsloth-llama-3.1-8b-grpo-qlora-standby",
+           "unsloth-20k-blog": "unsloth-llama-3.1-8b-grpo-lora-20k-blog"}  # fmt: skip
+
+
+def beside_unsloth(found: dict) -> str:
+    """Ours against each of Unsloth's figures for that setup: a context (prompt + completion) against
+    their longest, a peak against their GB (their GB read as 10^9 bytes)."""
+    point = next(p for p in grpo_points() if p["id"] == UNSLOTH[found["cell"][0]])
+    figures = point.get("figures") or [point["figure"]]
+    if found["max_seq_len"] is None:
+        return "-"
+    context = found["max_seq_len"] + prompt_length(found)
+    ratios = []
+    for figure in figures:
+        if figure["kind"] == "longest_tokens":
+            ratios.append(f"{context:,} / {figure['value']:,}: {context / figure['value']:.2f}x")
+        elif found["generation_peak_gib"] is not None:
+            peak = max(found["generation_peak_gib"], found["step_peak_gib"] or 0) * 2**30 / 1e9
+            ratios.append(f"{peak:.1f} GB / {figure['value']:g} GB: {peak / figure['value']:.2f}x")
+    return "; ".join(ratios)
 
 
 def render(lines: list[dict], meta: dict) -> str:
     """grpo_table.md from the JSON lines alone."""
     out = [f"Simulated {meta['date']} by `python -m hf_offload.tools.benchmarks.grpo_table` with "
-           + ", ".join(f"{name} {version}" for name, version in meta["versions"].items()) + "; vLLM modelled, not run."]
+           + ", ".join(f"{name} {version}" for name, version in meta["versions"].items()) + "; vLLM modelled, not run. "
+           "Each cell: the longest completion (tokens), what set it, the GiB at generation's peak / at the step's "
+           "peak (+ vLLM's share where it stays beside the step), one generation batch's time; -: not simulated."]
     table = [row for row in lines if len(row["cell"]) == 3 and row["cell"][0] in DEVICE_NAMES]
     if table:
         out += ["", "| GPU | tuning | transformers' `generate` (TRL's default) | vLLM colocated (0.3, TRL's default) "
@@ -235,12 +291,17 @@ def render(lines: list[dict], meta: dict) -> str:
                 if cells:
                     out.append(f"| {DEVICE_NAMES[device]} | {'LoRA' if tuning == 'lora' else 'QLoRA'} | "
                                + " | ".join(shown(cells[c]) if c in cells else "-" for c in COLUMNS) + " |")
-    unsloth = [row for row in lines if row["cell"][0].startswith("unsloth")]
+    unsloth = [row for row in lines if row["cell"][0] in UNSLOTH]
     if unsloth:
-        out += ["", "| Unsloth's figure | our setup | ours (simulated) |", "|---|---|---|"]
-        out += [f"| {row['cell'][0]} | {row['cell'][1]} | {shown(row)} |" for row in unsloth]
+        out += ["", "| Unsloth's figure | our setup | ours (simulated) | ours (prompt + completion; or the peak) "
+                "/ theirs |", "|---|---|---|---|"]
+        for row in unsloth:
+            point = next(p for p in grpo_points() if p["id"] == UNSLOTH[row["cell"][0]])
+            published = ", ".join(f["as_published"] for f in point.get("figures") or [point["figure"]])
+            out.append(f"| {published} ({point['gpu']}) | {row['cell'][1]} | {shown(row)} | {beside_unsloth(row)} |")
     out += ["", "Each cell's command and the vLLM releases it assumes:", ""]
-    for row in lines:
+    ordered = sorted(lines, key=lambda row: (row["cell"][0] in UNSLOTH, lines.index(row)))
+    for row in ordered:
         releases = f" ({row['vllm_releases']})" if row.get("vllm_releases") else ""
         out.append(f"- {' / '.join(row['cell'])}{releases}: `{row['command']}`")
     return "\n".join(out) + "\n"
