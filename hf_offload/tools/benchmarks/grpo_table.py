@@ -145,8 +145,10 @@ def table_cells(devices: list[str]):
 
 
 def unsloth_cells():
-    """Our figure for the setup of each of Unsloth's (published_generation.json's "grpo" points);
-    after each sleep-mode cell, sleep mode at the largest share that fits (as the table's last column)."""
+    """Our figure for the setup of each of Unsloth's longest-context figures (published_generation.json's
+    "grpo" points; their blog's 20K figure is a peak at a given length, which these longest-length cells
+    do not answer); after each sleep-mode cell, sleep mode at the largest share that fits (as the
+    table's last column)."""
     sleep = GENERATION["vllm_sleep"]
     setups = [
         (("unsloth-110k", "qwen3-8b qlora, vllm sleep, batch 4"),
@@ -157,10 +159,6 @@ def unsloth_cells():
         (("unsloth-standby", "llama-3.1-8b qlora, 2 generations, vllm, no sleep"),
          command("llama-3.1-8b", "h100-80gb", "qlora", GENERATION["vllm"], ["--num-generations", "2"])),
     ]  # fmt: skip
-    for name, generation in (("generate", []), ("vllm", ["--use-vllm"])):
-        setups.append(((("unsloth-20k-blog", f"llama-3.1-8b lora, 8 generations, 20K context, {name}")), [
-            "estimate", "--preset", "llama-3.1-8b", "--lora-rank", "16", "--trainer", "grpo", "--modes", MODE,
-            "--prompt-length", "256", "--completion-length", str(20480 - 256), "--device", "h100-80gb", *generation]))
     for key, args in setups:
         found = yield key, args
         if "--vllm-enable-sleep-mode" in args:
@@ -252,13 +250,12 @@ def shown(found: dict) -> str:
 
 # Our cells' names -> the ids of Unsloth's points in published_generation.json.
 UNSLOTH = {"unsloth-110k": "unsloth-qwen3-8b-grpo-qlora-110k",
-           "unsloth-standby": "unsloth-llama-3.1-8b-grpo-qlora-standby",
-           "unsloth-20k-blog": "unsloth-llama-3.1-8b-grpo-lora-20k-blog"}  # fmt: skip
+           "unsloth-standby": "unsloth-llama-3.1-8b-grpo-qlora-standby"}  # fmt: skip
 
 
 def beside_unsloth(found: dict) -> str:
     """Ours against each of Unsloth's figures for that setup: a context (prompt + completion) against
-    their longest, a peak against their GB (their GB read as 10^9 bytes)."""
+    their longest."""
     point = next(p for p in grpo_points() if p["id"] == UNSLOTH[found["cell"][0]])
     figures = point.get("figures") or [point["figure"]]
     if found["max_seq_len"] is None:
@@ -268,14 +265,12 @@ def beside_unsloth(found: dict) -> str:
     for figure in figures:
         if figure["kind"] == "longest_tokens":
             ratios.append(f"{context:,} / {figure['value']:,}: {context / figure['value']:.2f}x")
-        elif found["generation_peak_gib"] is not None:
-            peak = max(found["generation_peak_gib"], found["step_peak_gib"] or 0) * 2**30 / 1e9
-            ratios.append(f"{peak:.1f} GB / {figure['value']:g} GB: {peak / figure['value']:.2f}x")
     return "; ".join(ratios)
 
 
 def render(lines: list[dict], meta: dict) -> str:
-    """grpo_table.md from the JSON lines alone."""
+    """grpo_table.md from the JSON lines alone (cells of setups no longer in the table left out)."""
+    lines = [row for row in lines if row["cell"][0] in DEVICE_NAMES or row["cell"][0] in UNSLOTH]
     out = [f"Simulated {meta['date']} by `python -m hf_offload.tools.benchmarks.grpo_table` with "
            + ", ".join(f"{name} {version}" for name, version in meta["versions"].items()) + "; vLLM modelled, not run. "
            "Each cell: the longest completion (tokens), what set it, the GiB at generation's peak / at the step's "
@@ -293,8 +288,8 @@ def render(lines: list[dict], meta: dict) -> str:
                                + " | ".join(shown(cells[c]) if c in cells else "-" for c in COLUMNS) + " |")
     unsloth = [row for row in lines if row["cell"][0] in UNSLOTH]
     if unsloth:
-        out += ["", "| Unsloth's figure | our setup | ours (simulated) | ours (prompt + completion; or the peak) "
-                "/ theirs |", "|---|---|---|---|"]
+        out += ["", "| Unsloth's figure | our setup | ours (simulated) | ours (prompt + completion) / theirs |",
+                "|---|---|---|---|"]
         for row in unsloth:
             point = next(p for p in grpo_points() if p["id"] == UNSLOTH[row["cell"][0]])
             published = ", ".join(f["as_published"] for f in point.get("figures") or [point["figure"]])
