@@ -210,7 +210,10 @@ def span(pair: list[float] | None) -> str:
 
 
 def short(limit: str) -> str:
-    """A cell's limit as the table shows it: the figure that set it, without the estimate's reasoning."""
+    """A cell's limit as the table shows it: the figure that set it, without the estimate's reasoning
+    (what to do about it stays in the cell's JSON)."""
+    if limit.startswith("none fits: "):
+        return "none: " + limit[len("none fits: ") :].split(" (sleep mode")[0].split("; ")[0]
     if limit.startswith(("vllm max model len:", "rope scaling:", "positions:")):
         tokens = re.findall(r"[0-9][0-9,]*", limit)[-1]
         scaled = " with " + limit.split(" x ")[1].split(" factor")[0] if " x " in limit else ""
@@ -234,12 +237,12 @@ def shown(found: dict) -> str:
     """A cell as the table shows it: the completion, what set it, the GiB at generation's peak /
     at the step's peak (with what vLLM keeps beside the step: its whole share without sleep
     mode), and one generation batch's time."""
-    if found["max_seq_len"] is None:
-        return found["limit"]
     words = found["command"].split()
     share = ""
     if "--vllm-gpu-memory-utilization" in words:
         share = " at " + words[words.index("--vllm-gpu-memory-utilization") + 1]
+    if found["max_seq_len"] is None:
+        return short(found["limit"]) + share
     gen = "-" if found["generation_peak_gib"] is None else f"{found['generation_peak_gib']:.1f}"
     step = "-" if found["step_peak_gib"] is None else f"{found['step_peak_gib']:.1f}"
     if found["vllm_share_bytes"] is not None and "--vllm-enable-sleep-mode" not in words:
