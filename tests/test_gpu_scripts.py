@@ -89,7 +89,7 @@ def test_simulated_peaks_script_runs_end_to_end(tmp_path):
     # and the search simulates only the two grid points around it (each tiled step runs op by slice).
     argv = ["--presets", "tiny", "--modes", *modes, "--tunings", "lora", "--lengths", "256", "512",
             "--granularity", "256", "--tiled-lengths", "8192", "16384", "--tiled-granularity", "2048",
-            "--tile-tokens", "512", "--budgets", "0.15", "0.2", "--jobs", "1", "--out", str(tmp_path)]  # fmt: skip
+            "--tile-tokens", "512", "--budgets", "0.15", "0.2", "--jobs", "2", "--out", str(tmp_path)]  # fmt: skip
     assert simulated_peaks.main(argv) == 0
     (panel,) = json.loads((tmp_path / "simulated_peaks.json").read_text())
     longest = {}
@@ -121,13 +121,13 @@ def test_gpu_long_context_ladder_stage_runs_on_the_cpu(capsys):
 def test_ladder_script_runs_end_to_end(tmp_path):
     """The simulated ladder behind docs/longest_context.md, on a tiny model with small budgets:
     one row per rung, in order, each with its peaks, both budgets' longest sequences and a step
-    time; the table and the JSON written."""
+    time; the table and the JSON written. Two rungs at a time, in the estimate's forked pool."""
     import json
 
     from hf_offload.tools.benchmarks import ladder
 
     argv = ["--preset", "tiny", "--lengths", "128", "256", "512", "--memory-gib", "0.085", "0.09",
-            "--granularity", "128", "--out", str(tmp_path)]  # fmt: skip
+            "--granularity", "128", "--jobs", "2", "--out", str(tmp_path)]  # fmt: skip
     assert ladder.main(argv) == 0
     rows = json.loads((tmp_path / "ladder.json").read_text())
     assert [row["rung"] for row in rows] == [name for name, _pieces in ladder.LADDER]
@@ -152,3 +152,27 @@ def test_gpu_long_context_qlora_stage_runs_on_the_cpu(capsys):
         cells = [cell.strip() for cell in row.strip("|").split("|")]
         assert float(cells[2]) > 0 and float(cells[4]) > 0  # the simulated peak, the measured step time
     assert "| the CPU limit (256 MiB of byte accounting) |" in out
+
+
+def test_grpo_table_cell_names_the_limit_that_set_it(tmp_path):
+    """docs/trl.md's GRPO table, one cell on the tiny model (2,048 positions) with YaRN factor 2:
+    the answer is the estimate's own (the scaled positions less the prompt, on a card where memory
+    is no limit), the cell names rope scaling as what set it, and the rendered table shows that
+    with the cell's command."""
+    import json
+
+    from hf_offload.tools.benchmarks import grpo_table
+
+    args = ["estimate", "--preset", "tiny", "--lora-rank", "16", "--trainer", "grpo", "--device", "rtx4090",
+            "--modes", grpo_table.MODE, "--prompt-length", "64", "--rope-scaling", "yarn:2:2048"]  # fmt: skip
+    found = {"cell": ["rtx4090", "lora", "generate"], **grpo_table.cell(args)}
+    assert found["max_seq_len"] == 2 * 2048 - 64
+    scaled = "original_max_position_embeddings 2,048 x yarn factor 2 = 4,096"
+    assert found["limit"] == f"rope scaling: {scaled}"
+    assert found["limited_by"].startswith(f"the model's positions ({scaled})")
+    (tmp_path / "grpo_table.jsonl").write_text(json.dumps(found) + "\n")
+    (tmp_path / "grpo_table.meta.json").write_text(json.dumps({"date": "2026-12-08", "versions": {"trl": "1.16.0"}}))
+    assert grpo_table.main(["--out", str(tmp_path), "--render"]) == 0
+    rendered = (tmp_path / "grpo_table.md").read_text()
+    assert f"| RTX 4090 (24 GB) | LoRA | {found['max_seq_len']:,} (the model's positions with yarn: 4,096;" in rendered
+    assert f"`{found['command']}`" in rendered

@@ -22,10 +22,10 @@ import multiprocessing
 import sys
 import time
 import warnings
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from hf_offload.tools.devices import DEVICES, step_seconds
+from hf_offload.tools.estimate import forked_pool
 from hf_offload.tools.presets import preset_config
 from hf_offload.tools.simulator import Simulator, Training
 from hf_offload.tools.simulator.search import longest_sequence
@@ -131,7 +131,7 @@ def main(argv=None) -> int:
     budgets = BUDGETS if args.memory_gib is None else dict(zip(BUDGETS, args.memory_gib, strict=True))
     tasks = [(name, pieces, args.preset, tuple(args.lengths), budgets, args.granularity) for name, pieces in LADDER]
     if args.jobs > 1:
-        with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("fork")) as pool:
+        with forked_pool(args.jobs, multiprocessing.get_context("fork")) as pool:
             rows = list(pool.map(simulate_rung, tasks))
     else:
         rows = [simulate_rung(task) for task in tasks]

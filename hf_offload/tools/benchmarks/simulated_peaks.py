@@ -26,12 +26,12 @@ import multiprocessing
 import sys
 import time
 import warnings
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
 from hf_offload.tools import measured
 from hf_offload.tools.devices import DEVICES
+from hf_offload.tools.estimate import forked_pool
 from hf_offload.tools.presets import preset_config
 from hf_offload.tools.simulator import Simulator, Training
 from hf_offload.tools.simulator.search import longest_sequence, search_lengths
@@ -222,7 +222,7 @@ def main(argv=None) -> int:
         for rank in ranks
     ]
     if args.jobs > 1:
-        with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("fork")) as pool:
+        with forked_pool(args.jobs, multiprocessing.get_context("fork")) as pool:
             panels = list(pool.map(simulate_panel, tasks))
     else:
         panels = [simulate_panel(task) for task in tasks]
