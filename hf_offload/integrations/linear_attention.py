@@ -381,6 +381,9 @@ class Exchange:
     group: object
     size: int
     rank: int
+    # What runs the all-to-all over dimension 0 (`(group, tensor) -> received`, with its autograd);
+    # None: DeepSpeed's. The estimate's simulator gives its own, which counts the buffers on meta.
+    all_to_all: object = None
 
 
 ULYSSES_MODULE = "deepspeed.runtime.sequence_parallel.ulysses_sp"
@@ -430,8 +433,10 @@ def active_exchange(module: nn.Module, positions=_UNSET) -> Exchange | None:
 
 
 def _all_to_all(exchange: Exchange, tensor: torch.Tensor) -> torch.Tensor:
-    """DeepSpeed's all-to-all over dimension 0 (its own autograd: the reverse exchange in backward)."""
-    return resolve("deepspeed.all_to_all")(exchange.group, tensor.contiguous())
+    """DeepSpeed's all-to-all over dimension 0 (its own autograd: the reverse exchange in backward),
+    or the exchange's own."""
+    run = exchange.all_to_all if exchange.all_to_all is not None else resolve("deepspeed.all_to_all")
+    return run(exchange.group, tensor.contiguous())
 
 
 def _forward_across_ranks(self, hidden_states: torch.Tensor, *args, **kwargs):
@@ -454,10 +459,12 @@ def _forward_across_ranks(self, hidden_states: torch.Tensor, *args, **kwargs):
             f"{where} under Ulysses got cu_seq_lens_q (packed documents): each rank's boundaries are its shard's. "
             "Use one document per row"
         )
-    return _gated_deltanet_across_ranks(self, hidden_states, attention_mask, exchange)
+    return gated_deltanet_across_ranks(self, hidden_states, attention_mask, exchange)
 
 
-def _gated_deltanet_across_ranks(self, hidden_states, attention_mask, exchange: Exchange) -> torch.Tensor:
+def gated_deltanet_across_ranks(self, hidden_states, attention_mask, exchange: Exchange) -> torch.Tensor:
+    """A Gated DeltaNet's forward (no cache) on this rank's shard of the sequence, its convolution and
+    recurrence run for the rank's heads over the whole sequence between two all-to-alls."""
     modeling = sys.modules[type(self).__module__]
     size, rank = exchange.size, exchange.rank
     batch, local, _ = hidden_states.shape
@@ -539,6 +546,7 @@ __all__ = [
     "TokenMixer",
     "active_exchange",
     "check_token_mixers",
+    "gated_deltanet_across_ranks",
     "is_exact_gated_deltanet",
     "prepare_linear_attention",
     "release_linear_attention",
