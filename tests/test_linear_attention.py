@@ -310,8 +310,14 @@ def test_doge_is_refused_its_attention_out_of_ulysses_reach():
     with pytest.raises(ValueError, match=r"DogeAttention in layers \[0, 1\] look\(s\) its softmax attention up in "
                        r"transformers\.models\.doge\.modeling_doge's own ALL_ATTENTION_FUNCTIONS"):  # fmt: skip
         sp.check_sequence_parallel(model, 2, world_size=2)
-    with pytest.raises(ValueError, match="doge's attention"):
+    with pytest.raises(ValueError, match=r"doge's attention look\(s\) its softmax attention up in "
+                       r"transformers\.models\.doge\.modeling_doge's own"):  # fmt: skip
         sp.check_sequence_parallel(model.config, 2, world_size=2)
+    peft = pytest.importorskip("peft")
+    wrapped = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    with pytest.raises(ValueError, match=r"DogeAttention in layers \[0, 1\] look\(s\) its softmax attention up in "
+                       r"transformers\.models\.doge\.modeling_doge's own"):  # fmt: skip
+        sp.check_sequence_parallel(wrapped, 2, world_size=2)
     own = la.own_attention_registry(sys.modules[type(model).__module__])
     saved = own._local_mapping.get("sdpa")
     own["sdpa"] = zero_attention

@@ -219,8 +219,8 @@ def own_attention_registry(modeling) -> object | None:
 def unreached_attention(model_or_config) -> list[TokenMixer]:
     """The softmax attention blocks of `model_or_config` that look their attention function up in a
     registry of their modeling module's own (`own_attention_registry`), which Ulysses's registration
-    never reaches: each rank would attend within its shard alone. A config: judged by its model
-    type's modeling module."""
+    never reaches: each rank would attend within its shard alone (each named by its modeling
+    module). A config: judged by its model type's modeling module."""
     if not isinstance(model_or_config, nn.Module):
         import importlib
 
@@ -232,7 +232,7 @@ def unreached_attention(model_or_config) -> list[TokenMixer]:
             except ImportError:
                 continue
             if own_attention_registry(modeling) is not None:
-                found.append(TokenMixer(f"{model_type}'s attention", None, f"{model_type}'s attention", None, False))
+                found.append(TokenMixer(modeling.__name__, None, f"{model_type}'s attention", None, False))
         return found
     from ..adapters.base import find_attention
 
@@ -241,8 +241,9 @@ def unreached_attention(model_or_config) -> list[TokenMixer]:
         attention = find_attention(layer)
         if attention is None:
             continue
-        if own_attention_registry(sys.modules.get(type(attention).__module__)) is not None:
-            found.append(TokenMixer(f"layer {index}.attention", index, type(attention).__name__, None, False))
+        modeling = sys.modules.get(type(attention).__module__)
+        if own_attention_registry(modeling) is not None:
+            found.append(TokenMixer(modeling.__name__, index, type(attention).__name__, None, False))
     return found
 
 
@@ -286,12 +287,11 @@ def check_token_mixers(model_or_config, sp_size: int) -> list[TokenMixer]:
     refused = [mixer for mixer in mixers if not mixer.exact]
     unreached = unreached_attention(model_or_config)
     if unreached:
-        modeling = sys.modules.get(type(model_or_config).__module__) if isinstance(model_or_config, nn.Module) else None
-        where = f"{modeling.__name__}'s" if modeling is not None else "its modeling module's"
+        where = ", ".join(dict.fromkeys(mixer.name for mixer in unreached))
         also = f"; and {_describe(refused)} mix(es) tokens outside softmax attention" if refused else ""
         raise ValueError(
             f"sequence parallelism (Ulysses) on {type(config).__name__}: {_describe(unreached)} look(s) its softmax "
-            f"attention up in {where} own ALL_ATTENTION_FUNCTIONS, not in transformers.modeling_utils' where Ulysses "
+            f"attention up in {where}'s own ALL_ATTENTION_FUNCTIONS, not in transformers.modeling_utils' where Ulysses "
             f"registers its exchange, so each rank would attend only within its own shard of the sequence (a "
             f"silently different model){also}. Train this model without sp_size: on one GPU with checkpointing + "
             "hf_offload + sequence tiling, or with the ranks as data parallel (DDP, FSDP, ZeRO-3)"
