@@ -26,25 +26,33 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 from workers import write_results_and_tear_down  # noqa: E402
 
 import hf_offload  # noqa: E402
-from hf_offload.integrations import linear_attention  # noqa: E402
+from hf_offload.integrations import linear_attention, router_loss  # noqa: E402
 from hf_offload.integrations import sequence_parallel as sp  # noqa: E402
 
 HYBRIDS = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 TILE = 4  # tokens per slice: each rank's 8 tokens run as 2 slices
 
 
-def hybrid(model_type: str, ranks: int, checkpointing=False, tiling=False, offload=False) -> torch.nn.Module:
+AUX_COEF = 0.5  # router_aux_loss_coef where the load-balancing loss is on: large enough to matter in the loss
+
+
+def hybrid(
+    model_type: str, ranks: int, checkpointing=False, tiling=False, offload=False, router_loss=False
+) -> torch.nn.Module:
     """A tiny hybrid in float64: layers linear, full, linear attention; as many key heads of the
-    linear layers as ranks (value heads twice that), 4 query and 2 key/value heads of attention."""
+    linear layers as ranks (value heads twice that), 4 query and 2 key/value heads of attention.
+    An MoE one with its load-balancing loss where `router_loss` (else off: the models' default).
+    A model type without linear attention (qwen3_moe): two layers of softmax attention."""
     config = registry_models.tiny_config(model_type)
     heads = max(2, ranks)
-    config.num_hidden_layers = 3
-    config.layer_types = ["linear_attention", "full_attention", "linear_attention"]
-    config.linear_num_key_heads, config.linear_num_value_heads = heads, 2 * heads
+    if model_type in HYBRIDS:
+        config.num_hidden_layers = 3
+        config.layer_types = ["linear_attention", "full_attention", "linear_attention"]
+        config.linear_num_key_heads, config.linear_num_value_heads = heads, 2 * heads
     config.use_cache = False
-    # The MoE load-balancing loss (the registry's configs turn it on) is each rank's shard's under Ulysses,
-    # for every MoE model: not this test's subject (the models' own default is off).
-    config.output_router_logits = False
+    config.output_router_logits = router_loss
+    if router_loss:
+        config.router_aux_loss_coef = AUX_COEF
     if hasattr(config, "mlp_only_layers"):
         config.mlp_only_layers = []
     torch.manual_seed(0)
@@ -77,12 +85,12 @@ def recurrence_in_float64(model_type: str):
     model_class = AutoModelForCausalLM.from_config(registry_models.tiny_config(model_type)).__class__
     modeling = sys.modules[model_class.__module__]
     float32, original = torch.Tensor.float, modeling.torch
-    modeling.torch = Float64Torch()
+    modeling.torch = router_loss.torch = Float64Torch()  # the load-balancing loss's float32 sums too
     torch.Tensor.float = lambda self: self if self.dtype == torch.float64 else float32(self)
     try:
         yield
     finally:
-        modeling.torch, torch.Tensor.float = original, float32
+        modeling.torch, router_loss.torch, torch.Tensor.float = original, torch, float32
 
 
 def run(model_type: str, recipe: dict) -> tuple:
@@ -181,19 +189,73 @@ def scenario_own_rows() -> dict:
     return results
 
 
+MOE = ("qwen3_5_moe_text", "qwen3_moe")
+
+
+@contextlib.contextmanager
+def with_attention_mask():
+    """The scenarios' batches with an attention_mask of ones: Ulysses.adapt pads the 15-token batch
+    to 16 with a 0 there, which keeps its pad token out of the load-balancing loss, as one process
+    on the 15 tokens has it."""
+    local, whole = spw.local_batches, spw.whole_order
+
+    def masked(batches):
+        return [{**batch, "attention_mask": torch.ones_like(batch["input_ids"])} for batch in batches]
+
+    spw.local_batches = lambda masked_labels=False: masked(local(masked_labels))
+    spw.whole_order = lambda masked_labels=False: masked(whole(masked_labels))
+    try:
+        yield
+    finally:
+        spw.local_batches, spw.whole_order = local, whole
+
+
+def scenario_router_loss() -> dict:
+    """The MoE load-balancing loss on (output_router_logits, router_aux_loss_coef 0.5): Qwen3.5-MoE
+    (its recurrence in float64) and Qwen3-MoE, plain and with checkpointing + offloading, against
+    one process; and (the companion) with transformers' own function put back, each rank's shard's
+    loss summed over the group."""
+    results = {}
+    for model_type in MOE:
+        build = lambda model_type=model_type, **recipe: hybrid(model_type, spw.SP, router_loss=True, **recipe)  # noqa: E731
+        float64 = recurrence_in_float64(model_type) if model_type in HYBRIDS else contextlib.nullcontext()
+        with float64, with_attention_mask():
+            ref = spw.reference(build)
+            full = {"checkpointing": True, "tiling": True, "offload": True}
+            for name, recipe in (("plain", {}), ("checkpointing+tiling+offloading", full)):
+                model = build(**recipe)
+                ulysses = sp.register_ulysses(model, spw.SP, micro_batch_size=spw.ROWS)
+                try:
+                    results[f"{model_type}, {name}"] = spw.differences(ref, spw.sp_train(model, model, ulysses))
+                finally:
+                    sp.unregister_ulysses()
+            model = build()
+            ulysses = sp.register_ulysses(model, spw.SP, micro_batch_size=spw.ROWS)
+            modeling = sys.modules[type(model).__module__]
+            wrapped = modeling.load_balancing_loss_func
+            modeling.load_balancing_loss_func = router_loss._ORIGINAL[modeling.__name__]
+            try:
+                results[f"{model_type}, shard's own loss"] = spw.differences(ref, spw.sp_train(model, model, ulysses))
+            finally:
+                modeling.load_balancing_loss_func = wrapped
+                sp.unregister_ulysses()
+    return results
+
+
 SCENARIOS = {
     "own_rows": scenario_own_rows,
     "hybrids": scenario_hybrids,
     "qwen3_5": lambda: scenario_hybrids(HYBRIDS[:1]),
     "left_on_the_shard": scenario_left_on_the_shard,
     "refused": scenario_refused,
+    "router_loss": scenario_router_loss,
 }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--scenarios", default="hybrids,left_on_the_shard,refused,own_rows")
+    parser.add_argument("--scenarios", default="hybrids,left_on_the_shard,refused,own_rows,router_loss")
     args = parser.parse_args()
 
     import deepspeed

@@ -92,6 +92,54 @@ def test_a_gated_deltanet_left_on_the_shard_is_caught(runs):
         assert result["loss_rel"] > 100 * LOSS and result["grad_rel"] > 1e-2, result
 
 
+@pytest.mark.parametrize("model_type", ["qwen3_5_moe_text", "qwen3_moe"])
+def test_moe_load_balancing_loss_under_ulysses_matches_one_process(runs, model_type):
+    """The MoE load-balancing loss on (output_router_logits, router_aux_loss_coef=0.5), the docs'
+    loop on 2 ranks: Qwen3.5-MoE (hybrid) and Qwen3-MoE (attention only), plain and with
+    checkpointing, tiling and offloading; loss and gradients are one process's on the whole
+    sequences (each rank adds its share of the sequence's loss: the counts summed over the group)."""
+    for result in runs["router_loss"]:
+        assert "error" not in result, result.get("traceback")
+        assert_one_process(result, [f"{model_type}, plain", f"{model_type}, checkpointing+tiling+offloading"], 2)
+
+
+def test_a_shards_own_load_balancing_loss_is_caught(runs):
+    """Companion: transformers' own load_balancing_loss_func put back (each rank's shard's loss,
+    summed over the group, as before) fails the comparison above by far."""
+    for result in runs["router_loss"]:
+        assert "error" not in result, result.get("traceback")
+        for model_type in ("qwen3_5_moe_text", "qwen3_moe"):
+            own = result[f"{model_type}, shard's own loss"]
+            assert own["loss_rel"] > 1000 * LOSS and own["grad_rel"] > 1e-2, own
+
+
+def test_a_load_balancing_loss_of_another_form_is_refused_by_name(monkeypatch):
+    """The exact share is Switch Transformer's loss, as transformers' MoE modeling modules compute
+    it: checked per module on random router logits (Doge's function, over its product-key router,
+    fails it). A module whose function computes another loss is refused by name while the config
+    asks for router logits, and accepted once it does not."""
+    from transformers.models.doge import modeling_doge
+    from transformers.models.qwen3_moe import modeling_qwen3_moe
+
+    from hf_offload.integrations import router_loss
+
+    assert router_loss.computes_switch_loss(modeling_qwen3_moe.load_balancing_loss_func)
+    assert not router_loss.computes_switch_loss(modeling_doge.load_balancing_loss_func)
+    twice = modeling_qwen3_moe.load_balancing_loss_func  # another loss: the same, doubled
+    model = registry().tiny_model("qwen3_moe")
+    la.release_linear_attention(model)
+    monkeypatch.setattr(modeling_qwen3_moe, "load_balancing_loss_func", lambda *args: 2 * twice(*args))
+    try:
+        model.config.output_router_logits = True
+        with pytest.raises(ValueError, match=r"modeling_qwen3_moe\.load_balancing_loss_func does not compute") as error:
+            sp.check_sequence_parallel(model, 2, world_size=2)
+        assert "Qwen3MoeForCausalLM" in str(error.value) and "output_router_logits=False" in str(error.value)
+        model.config.output_router_logits = False
+        assert sp.check_sequence_parallel(model, 2, world_size=2) == "sdpa"
+    finally:
+        la.release_linear_attention(model)
+
+
 @pytest.mark.parametrize("recipe", ["plain", "checkpointing+tiling"])
 def test_a_hybrids_own_rows_run_as_one_process_under_register_ulysses(runs, recipe):
     """After register_ulysses, what is not a shard (generate with and without a cache, train and
@@ -222,6 +270,74 @@ def test_models_mixing_tokens_only_in_softmax_attention_are_accepted(model_type)
     assert la.token_mixers(model) == []
     assert sp.check_sequence_parallel(model, 2, world_size=2) == "sdpa"
     assert not mixes_without_attention(model)
+
+
+def calls_of_registered_attention(model: torch.nn.Module) -> int:
+    """How many times a forward calls the function registered under the model's attention
+    implementation in transformers' ALL_ATTENTION_FUNCTIONS (where Ulysses registers its exchange)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    implementation, local = model.config._attn_implementation, ALL_ATTENTION_FUNCTIONS._local_mapping
+    saved, calls, core = local.get(implementation), [], ALL_ATTENTION_FUNCTIONS[implementation]
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return core(*args, **kwargs)
+
+    ALL_ATTENTION_FUNCTIONS[implementation] = counted
+    try:
+        inputs = registry().inputs(model, 1, 12)
+        with torch.no_grad():
+            model(**inputs)
+    finally:
+        if saved is None:
+            local.pop(implementation, None)
+        else:
+            local[implementation] = saved
+    return len(calls)
+
+
+def test_doge_is_refused_its_attention_out_of_ulysses_reach():
+    """Doge's attention looks its function up in its modeling module's own ALL_ATTENTION_FUNCTIONS:
+    a function registered in transformers' (as Ulysses registers its exchange) is never called, so
+    under Ulysses each rank would attend within its shard (why its tokens still mixed with the
+    registered attention answering zeros). With its own registry answering zeros too, the dense
+    Doge's tokens no longer mix: its attention was all of it. check_sequence_parallel refuses it by
+    name, and the MoE Doge's CDMoE (router logits reshaped across the tokens) with it."""
+    model = registry().tiny_model("doge")
+    assert calls_of_registered_attention(model) == 0
+    assert calls_of_registered_attention(registry().tiny_model("llama")) > 0
+    with pytest.raises(ValueError, match=r"DogeAttention in layers \[0, 1\] look\(s\) its softmax attention up in "
+                       r"transformers\.models\.doge\.modeling_doge's own ALL_ATTENTION_FUNCTIONS"):  # fmt: skip
+        sp.check_sequence_parallel(model, 2, world_size=2)
+    with pytest.raises(ValueError, match=r"doge's attention look\(s\) its softmax attention up in "
+                       r"transformers\.models\.doge\.modeling_doge's own"):  # fmt: skip
+        sp.check_sequence_parallel(model.config, 2, world_size=2)
+    peft = pytest.importorskip("peft")
+    wrapped = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    with pytest.raises(ValueError, match=r"DogeAttention in layers \[0, 1\] look\(s\) its softmax attention up in "
+                       r"transformers\.models\.doge\.modeling_doge's own"):  # fmt: skip
+        sp.check_sequence_parallel(wrapped, 2, world_size=2)
+    own = la.own_attention_registry(sys.modules[type(model).__module__])
+    saved = own._local_mapping.get("sdpa")
+    own["sdpa"] = zero_attention
+    try:
+        assert not mixes_without_attention(model)
+    finally:
+        own._local_mapping.pop("sdpa") if saved is None else own._local_mapping.update(sdpa=saved)
+    config = registry().tiny_config("doge")
+    config.is_moe = True
+    with pytest.raises(ValueError, match=r"and DogeCDMoE in layers \[0, 1\] mix\(es\) tokens"):
+        sp.check_sequence_parallel(AutoModelForCausalLM.from_config(config), 2, world_size=2)
+
+
+def test_doge_would_pass_without_the_registry_check(monkeypatch):
+    """Companion: with the look for a modeling module's own attention registry taken away (as
+    before), check_sequence_parallel accepts the dense Doge, whose attention Ulysses never reaches."""
+    monkeypatch.setattr(la, "own_attention_registry", lambda modeling: None)
+    model = registry().tiny_model("doge")
+    model.config.output_router_logits = False  # the registry turns it on; Doge's loss is refused on its own
+    assert sp.check_sequence_parallel(model, 2, world_size=2) == "sdpa"
 
 
 def test_indexed_attention_is_refused_by_its_layer_type():

@@ -3,6 +3,7 @@ kernels of their Gated DeltaNet layers (flash-linear-attention, causal-conv1d), 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 
@@ -194,9 +195,41 @@ def test_the_estimate_answers_for_a_hybrid_model_naming_its_stand_ins(model_type
     assert len(calls) == 2 * 2 and all(shape[1] == 512 for shape in calls)
 
 
-def test_the_estimate_refuses_sequence_parallelism_for_a_hybrid_model(tmp_path, capsys):
+def delta_rule_calls_under_sp(tmp_path, capsys, sp: int = 2) -> tuple[list, str]:
+    """`hf-offload estimate --sp N` on a tiny Qwen3.5 of 512 tokens (2 key heads, 4 value heads), with
+    checkpointing: the (query, value) shapes of each simulated delta rule, and the output."""
+    calls = []
+    original = linear_attention.SimulatedChunkGatedDeltaRule.apply
+
+    def counted(*args):
+        calls.append((tuple(args[0].shape), tuple(args[2].shape)))
+        return original(*args)
+
     directory = tiny_config_dir(tmp_path, "qwen3_5_text")
-    with pytest.raises(SystemExit):
-        cli.main(["estimate", "--model", str(directory), "--seq-len", "512", "--sp", "2"])
-    error = capsys.readouterr().err
-    assert "--sp 2" in error and "'linear_attention' layers" in error and "layers 0, 2" in error
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(linear_attention.SimulatedChunkGatedDeltaRule, "apply", counted)
+        code = cli.main(["estimate", "--model", str(directory), "--seq-len", "512", "--modes", "checkpointing",
+                         "--sp", str(sp)])  # fmt: skip
+    assert code in (0, None)
+    return calls, capsys.readouterr().out
+
+
+def test_the_estimate_runs_a_hybrids_linear_attention_across_the_ranks_under_sp(tmp_path, capsys):
+    """--sp 2: the simulated rank runs each linear-attention layer's delta rule (forward and the
+    checkpointed recompute) over all 512 tokens for 1 of the 2 key heads and 2 of the 4 value heads,
+    between the all-to-alls training runs (the product's gated_deltanet_across_ranks on meta)."""
+    calls, output = delta_rule_calls_under_sp(tmp_path, capsys)
+    assert len(calls) == 2 * 2, calls
+    assert all(query == (1, 512, 1, 32) and value == (1, 512, 2, 32) for query, value in calls), calls
+    assert "under --sp N they run for heads / N over the whole sequence" in output
+
+
+def test_a_linear_attention_left_on_the_shard_under_sp_is_caught(tmp_path, capsys, monkeypatch):
+    """Companion: without the exchange (each rank's layers on its own shard, as the estimate would
+    be if it did not run it), the delta rule sees 256 tokens with every head, which the test above
+    tells apart."""
+    from hf_offload.tools.simulator import step
+
+    monkeypatch.setattr(step, "linear_attention_exchanged", lambda *args: contextlib.nullcontext())
+    calls, _ = delta_rule_calls_under_sp(tmp_path, capsys)
+    assert calls and all(query == (1, 256, 2, 32) for query, _ in calls), calls

@@ -41,6 +41,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..adapters.base import TOKEN_MIXING
+from .router_loss import prepare_router_loss, release_router_loss
 from .upstream import resolve
 
 # The per-layer kinds (`layer_types`, `layers_block_type`) Ulysses runs right: softmax attention, which it
@@ -131,14 +133,21 @@ def _says_mixer(module: nn.Module, family: str) -> bool:
 def _mixers_in(root: nn.Module, family: str = "") -> list[tuple[str, nn.Module]]:
     """The outermost modules under `root` whose class says they mix tokens (or a Gated DeltaNet);
     then, for a causal convolution inside none of them, the child of `root` that holds it (Kimi's
-    delta attention, named as attention). `family`: the model's class-name prefix."""
+    delta attention, named as attention). Feed-forward blocks that mix tokens (Doge's CDMoE, whose
+    router logits are reshaped across the tokens) count. `family`: the model's class-name prefix."""
     named: list[tuple[str, nn.Module]] = []
 
     def inside(name: str) -> bool:
         return any(name == outer or name.startswith(outer + ".") for outer, _ in named)
 
     for name, module in root.named_modules():
-        if name and not inside(name) and (is_exact_gated_deltanet(module) or _says_mixer(module, family)):
+        if (
+            name
+            and not inside(name)
+            and (
+                is_exact_gated_deltanet(module) or _says_mixer(module, family) or type(module).__name__ in TOKEN_MIXING
+            )
+        ):
             named.append((name, module))
     for name, module in root.named_modules():
         if name and not inside(name) and _is_causal_conv(module):
@@ -198,6 +207,46 @@ def token_mixers(model: nn.Module) -> list[TokenMixer]:
     return found
 
 
+def own_attention_registry(modeling) -> object | None:
+    """The attention registry (`ALL_ATTENTION_FUNCTIONS`) a transformers modeling module keeps of its
+    own, not the library's one Ulysses registers in (Doge's), or None."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    registry = getattr(modeling, "ALL_ATTENTION_FUNCTIONS", None)
+    return None if registry is None or registry is ALL_ATTENTION_FUNCTIONS else registry
+
+
+def unreached_attention(model_or_config) -> list[TokenMixer]:
+    """The softmax attention blocks of `model_or_config` that look their attention function up in a
+    registry of their modeling module's own (`own_attention_registry`), which Ulysses's registration
+    never reaches: each rank would attend within its shard alone (each named by its modeling
+    module). A config: judged by its model type's modeling module."""
+    if not isinstance(model_or_config, nn.Module):
+        import importlib
+
+        config = config_of(model_or_config)
+        found = []
+        for model_type in dict.fromkeys([config.model_type, config.get_text_config().model_type]):
+            try:
+                modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+            except ImportError:
+                continue
+            if own_attention_registry(modeling) is not None:
+                found.append(TokenMixer(modeling.__name__, None, f"{model_type}'s attention", None, False))
+        return found
+    from ..adapters.base import find_attention
+
+    found = []
+    for index, layer in enumerate(_decoder_layers(model_or_config) or []):
+        attention = find_attention(layer)
+        if attention is None:
+            continue
+        modeling = sys.modules.get(type(attention).__module__)
+        if own_attention_registry(modeling) is not None:
+            found.append(TokenMixer(modeling.__name__, index, type(attention).__name__, None, False))
+    return found
+
+
 def _group(mixers: list[TokenMixer]) -> list[tuple[str, str | None, list[int]]]:
     groups: dict[tuple[str, str | None], list[int]] = {}
     for mixer in mixers:
@@ -209,7 +258,7 @@ def _describe(mixers: list[TokenMixer]) -> str:
     parts = []
     for kind, layer_type, layers in _group(mixers):
         named = f"{kind} ({layer_type!r} layers)" if layer_type and layer_type != kind else kind
-        parts.append(f"{named} in layers {layers}")
+        parts.append(f"{named} in layers {layers}" if layers != [None] else named)
     return "; ".join(parts)
 
 
@@ -236,6 +285,17 @@ def check_token_mixers(model_or_config, sp_size: int) -> list[TokenMixer]:
             if kind not in ATTENTION_LAYER_TYPES
         ]
     refused = [mixer for mixer in mixers if not mixer.exact]
+    unreached = unreached_attention(model_or_config)
+    if unreached:
+        where = ", ".join(dict.fromkeys(mixer.name for mixer in unreached))
+        also = f"; and {_describe(refused)} mix(es) tokens outside softmax attention" if refused else ""
+        raise ValueError(
+            f"sequence parallelism (Ulysses) on {type(config).__name__}: {_describe(unreached)} look(s) its softmax "
+            f"attention up in {where}'s own ALL_ATTENTION_FUNCTIONS, not in transformers.modeling_utils' where Ulysses "
+            f"registers its exchange, so each rank would attend only within its own shard of the sequence (a "
+            f"silently different model){also}. Train this model without sp_size: on one GPU with checkpointing + "
+            "hf_offload + sequence tiling, or with the ranks as data parallel (DDP, FSDP, ZeRO-3)"
+        )
     if refused:
         raise ValueError(
             f"sequence parallelism (Ulysses) on {type(config).__name__}: {_describe(refused)} mix(es) tokens outside "
@@ -277,11 +337,13 @@ def _record_positions(mixer: nn.Module, layer: nn.Module, args, kwargs) -> None:
 def prepare_linear_attention(model: nn.Module, sp_size: int) -> int:
     """Check `model`'s token mixers for Ulysses over `sp_size` ranks (`check_token_mixers`), then
     make each Gated DeltaNet run across the SP group whenever Ulysses's attention exchange runs (an
-    instance-level `forward`; outside Ulysses it calls the class's own). Idempotent. Returns how
-    many layers it prepared."""
+    instance-level `forward`; outside Ulysses it calls the class's own). An MoE model's load-balancing
+    loss is made the whole sequence's the same way (`router_loss.prepare_router_loss`). Idempotent.
+    Returns how many Gated DeltaNet layers it prepared."""
     if not isinstance(model, nn.Module):
         return 0
     check_token_mixers(model, sp_size)
+    prepare_router_loss(model)
     count = 0
     layers = _decoder_layers(model) or []
     for module in model.modules():
@@ -299,7 +361,9 @@ def prepare_linear_attention(model: nn.Module, sp_size: int) -> int:
 
 
 def release_linear_attention(model: nn.Module) -> None:
-    """Put the class's own forward back on every layer `prepare_linear_attention` changed."""
+    """Put the class's own forward back on every layer `prepare_linear_attention` changed, and
+    transformers' own load-balancing loss."""
+    release_router_loss(model)
     for module in model.modules():
         handles = getattr(module, PREPARED_ATTR, False)
         if handles is not False:
@@ -317,6 +381,9 @@ class Exchange:
     group: object
     size: int
     rank: int
+    # What runs the all-to-all over dimension 0 (`(group, tensor) -> received`, with its autograd);
+    # None: DeepSpeed's. The estimate's simulator gives its own, which counts the buffers on meta.
+    all_to_all: object = None
 
 
 ULYSSES_MODULE = "deepspeed.runtime.sequence_parallel.ulysses_sp"
@@ -335,10 +402,14 @@ def ulysses_of(wrapper, kind: type):
     return None
 
 
-def active_exchange(module: nn.Module) -> Exchange | None:
+_UNSET = object()
+
+
+def active_exchange(module: nn.Module, positions=_UNSET) -> Exchange | None:
     """The exchange Ulysses's attention would run now for a module in `module.training` mode: the
-    registered DeepSpeed Ulysses attention's group, or None (none registered, or registered off in
-    eval mode and the module is in eval mode)."""
+    registered DeepSpeed Ulysses attention's group, or None (none registered, registered off in
+    eval mode and the module is in eval mode, or the forward fed `positions`, the position_ids of
+    the forward running it, is not a shard; by default those its decoder layer was given)."""
     if resolve("deepspeed.sequence_parallel_group") is None:
         return None
     if ULYSSES_MODULE not in sys.modules:
@@ -353,15 +424,19 @@ def active_exchange(module: nn.Module) -> Exchange | None:
             continue
         if not module.training and instance.disable_in_eval:
             return None
-        if _FORWARD_RULE and not _FORWARD_RULE[0](_LAYER_POSITIONS.get(id(module))):
+        if positions is _UNSET:
+            positions = _LAYER_POSITIONS.get(id(module))
+        if _FORWARD_RULE and not _FORWARD_RULE[0](positions):
             return None  # register_ulysses: not a shard (a rank's own rows, generate): the layer runs whole
         return Exchange(instance.process_group, instance.world_size, instance.sp_rank)
     return None
 
 
 def _all_to_all(exchange: Exchange, tensor: torch.Tensor) -> torch.Tensor:
-    """DeepSpeed's all-to-all over dimension 0 (its own autograd: the reverse exchange in backward)."""
-    return resolve("deepspeed.all_to_all")(exchange.group, tensor.contiguous())
+    """DeepSpeed's all-to-all over dimension 0 (its own autograd: the reverse exchange in backward),
+    or the exchange's own."""
+    run = exchange.all_to_all if exchange.all_to_all is not None else resolve("deepspeed.all_to_all")
+    return run(exchange.group, tensor.contiguous())
 
 
 def _forward_across_ranks(self, hidden_states: torch.Tensor, *args, **kwargs):
@@ -384,10 +459,12 @@ def _forward_across_ranks(self, hidden_states: torch.Tensor, *args, **kwargs):
             f"{where} under Ulysses got cu_seq_lens_q (packed documents): each rank's boundaries are its shard's. "
             "Use one document per row"
         )
-    return _gated_deltanet_across_ranks(self, hidden_states, attention_mask, exchange)
+    return gated_deltanet_across_ranks(self, hidden_states, attention_mask, exchange)
 
 
-def _gated_deltanet_across_ranks(self, hidden_states, attention_mask, exchange: Exchange) -> torch.Tensor:
+def gated_deltanet_across_ranks(self, hidden_states, attention_mask, exchange: Exchange) -> torch.Tensor:
+    """A Gated DeltaNet's forward (no cache) on this rank's shard of the sequence, its convolution and
+    recurrence run for the rank's heads over the whole sequence between two all-to-alls."""
     modeling = sys.modules[type(self).__module__]
     size, rank = exchange.size, exchange.rank
     batch, local, _ = hidden_states.shape
@@ -469,6 +546,7 @@ __all__ = [
     "TokenMixer",
     "active_exchange",
     "check_token_mixers",
+    "gated_deltanet_across_ranks",
     "is_exact_gated_deltanet",
     "prepare_linear_attention",
     "release_linear_attention",

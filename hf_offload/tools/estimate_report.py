@@ -854,7 +854,8 @@ def _linear_attention_lines(stand_ins: tuple[str, ...]) -> list[str]:
     return [
         "  linear attention (Gated DeltaNet layers): the GPU kernels stand in on meta with the memory their own code "
         f"allocates on CUDA: {'; '.join(stand_ins)} (hf_offload/tools/simulator/linear_attention.py); step times leave "
-        "out those kernels' own compute (they count none)",
+        "out those kernels' own compute (they count none); under --sp N they run for heads / N over the whole sequence "
+        "between two all-to-alls, as training runs them",
     ]
 
 

@@ -39,7 +39,9 @@ reference code: one token's tensors.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
+import types
 from collections.abc import Iterator
 
 import torch
@@ -207,21 +209,45 @@ def uses_linear_attention(config) -> bool:
     return "linear_attention" in (getattr(text, "layer_types", None) or ())
 
 
-def refuse_linear_attention_under_sp(config, sp_size: int) -> None:
-    """A hybrid model under Ulysses needs an exchange around its linear-attention layers (their
-    heads split across the ranks over the whole sequence: integrations/linear_attention.py), which the
-    simulator does not model yet:
-    refused by name rather than estimated as if each rank's layers saw only its own shard."""
-    text = config.get_text_config()
-    layers = [i for i, kind in enumerate(getattr(text, "layer_types", None) or ()) if kind == "linear_attention"]
-    if sp_size > 1 and layers:
-        shown = ", ".join(map(str, layers[:8])) + (", ..." if len(layers) > 8 else "")
-        raise ValueError(
-            f"--sp {sp_size}: {type(text).__name__} ({text.model_type}) has {len(layers)} 'linear_attention' layers "
-            f"(Gated DeltaNet; layers {shown}); under sequence parallelism they need an exchange of their own (each "
-            "rank's heads over the whole sequence); training runs it exactly (register_ulysses, "
-            "docs/sequence_parallel.md), but the estimate does not simulate it yet: estimate one GPU (no --sp)"
-        )
+def _exchanged_forward(self, hidden_states, *args, exchange, **kwargs):
+    """A Gated DeltaNet's forward as training runs it under Ulysses (the product's code), for one rank."""
+    from hf_offload.integrations.linear_attention import gated_deltanet_across_ranks
+
+    cache = kwargs.get("cache", kwargs.get("cache_params", args[0] if args else None))
+    if cache is not None:
+        raise ValueError("the simulated Gated DeltaNet under --sp takes no cache (training runs without one)")
+    attention_mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+    return gated_deltanet_across_ranks(self, hidden_states, attention_mask, exchange)
+
+
+@contextlib.contextmanager
+def linear_attention_exchanged(model: torch.nn.Module, sp_size: int, traffic) -> Iterator[None]:
+    """Under `--sp N`: within the block, each Gated DeltaNet of `model` runs what training runs under
+    Ulysses for one rank of `sp_size` (`hf_offload.integrations.linear_attention.
+    gated_deltanet_across_ranks`, the product's own code): its projections on the rank's
+    seq / sp_size tokens; an all-to-all of q, k, v, b and a (sequence for heads); the convolution and
+    the delta rule (the stand-ins above on meta) for heads / sp_size over the whole sequence; an
+    all-to-all of the output back; the gated norm and the output projection on the shard. The
+    all-to-alls are the simulated Ulysses attention's (`stand_ins._AllToAll`): their received
+    buffers allocated, forward and backward, and counted in `traffic`."""
+    from hf_offload.integrations.linear_attention import Exchange, is_exact_gated_deltanet
+
+    from .stand_ins import _AllToAll
+
+    exchange = Exchange(None, sp_size, 0, all_to_all=lambda group, tensor: _AllToAll.apply(tensor, traffic))
+    changed = []
+    try:
+        for module in model.modules():
+            if is_exact_gated_deltanet(module):
+                changed.append((module, module.__dict__.get("forward")))
+                module.forward = types.MethodType(functools.partial(_exchanged_forward, exchange=exchange), module)
+        yield
+    finally:
+        for module, previous in changed:
+            if previous is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = previous
 
 
 @contextlib.contextmanager

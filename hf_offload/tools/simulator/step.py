@@ -42,7 +42,7 @@ from hf_offload.tools.modes import NEEDS_ACCELERATOR, Mode, parse_mode, set_chec
 
 from .four_bit import FourBit, dequantizing_gemm, quantize, quantized_state_tensors
 from .generation import DECODE_STEPS, GenerationResult, result_from_steps, run_generate
-from .linear_attention import linear_attention_as_on_cuda, refuse_linear_attention_under_sp, uses_linear_attention
+from .linear_attention import linear_attention_as_on_cuda, linear_attention_exchanged, uses_linear_attention
 from .memo import SliceMemo
 from .stand_ins import (
     UlyssesTraffic,
@@ -486,7 +486,6 @@ class Simulator:
         if training.sp_size > 1:
             from hf_offload.integrations.sequence_parallel import check_sequence_parallel
 
-            refuse_linear_attention_under_sp(config, training.sp_size)
             check_sequence_parallel(config, training.sp_size, world_size=training.sp_size)
         self.traffic = UlyssesTraffic(training.sp_size)
         self.replay = replay
@@ -659,6 +658,8 @@ class Simulator:
                 # After tiling's wrappers: Ulysses gathers the sequence, then attention tiled over heads runs.
                 implementation = base.config._attn_implementation or "sdpa"
                 stack.enter_context(simulated_ulysses(implementation, training.sp_size, self.traffic))
+                if uses_linear_attention(self.config):  # their own exchange, as register_ulysses prepares them
+                    stack.enter_context(linear_attention_exchanged(base, training.sp_size, self.traffic))
             yield
 
     def generate(self, mode: str | Mode, *, rows: int, prompt_length: int, padded: bool = False,
