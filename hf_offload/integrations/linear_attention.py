@@ -343,7 +343,7 @@ def prepare_linear_attention(model: nn.Module, sp_size: int) -> int:
     if not isinstance(model, nn.Module):
         return 0
     check_token_mixers(model, sp_size)
-    prepare_router_loss(model)
+    prepare_router_loss(model, active_exchange)
     count = 0
     layers = _decoder_layers(model) or []
     for module in model.modules():

@@ -122,10 +122,13 @@ def _refusal(model_name: str, module_name: str) -> ValueError:
     )
 
 
-def prepare_router_loss(model: nn.Module) -> bool:
+def prepare_router_loss(model: nn.Module, exchange_of) -> bool:
     """Make `model`'s MoE load-balancing loss the whole sequence's under Ulysses (see the module's
     docstring), or refuse it by name where its modeling module computes another loss and the
-    config asks for router logits. Idempotent. Returns whether the model has such a loss."""
+    config asks for router logits. Idempotent. Returns whether the model has such a loss.
+    `exchange_of(model, positions=...)` is the Ulysses exchange a forward of `model` fed those
+    position_ids runs, or None (linear_attention's `active_exchange`: passed in, so that this module
+    needs nothing of the one that prepares it)."""
     module, inner = _modeling_module(model)
     current = getattr(module, FUNCTION, None) if module is not None else None
     if current is None:
@@ -143,7 +146,7 @@ def prepare_router_loss(model: nn.Module) -> bool:
         except (TypeError, ValueError):
             signature = inspect.Signature()
         handles = [
-            inner.register_forward_pre_hook(functools.partial(_entered, signature), with_kwargs=True),
+            inner.register_forward_pre_hook(functools.partial(_entered, signature, exchange_of), with_kwargs=True),
             inner.register_forward_hook(_left, always_call=True),
         ]
         setattr(inner, PREPARED_ATTR, handles)
@@ -173,12 +176,12 @@ def release_router_loss(model: nn.Module) -> None:
         _SWITCH.pop(name, None)
 
 
-def _entered(signature, model, args, kwargs) -> None:
+def _entered(signature, exchange_of, model, args, kwargs) -> None:
     try:
         bound = signature.bind_partial(*args, **kwargs).arguments
     except TypeError:
         bound = kwargs
-    _RUNNING.append((model, bound.get("position_ids")))
+    _RUNNING.append((model, bound.get("position_ids"), exchange_of))
 
 
 def _left(model, args, output) -> None:
@@ -193,9 +196,7 @@ def _wrapped(original, module_name: str):
 
     @functools.wraps(original)
     def load_balancing_loss_func(*args, **kwargs):
-        from .linear_attention import active_exchange
-
-        exchange = active_exchange(_RUNNING[-1][0], positions=_RUNNING[-1][1]) if _RUNNING else None
+        exchange = _RUNNING[-1][2](_RUNNING[-1][0], positions=_RUNNING[-1][1]) if _RUNNING else None
         gate_logits = args[0] if args else next(iter(kwargs.values()), None)
         if exchange is None or not isinstance(gate_logits, tuple) or not gate_logits:  # no routers: no loss
             return original(*args, **kwargs)
