@@ -25,6 +25,7 @@ from .adapters import find_attention, innermost, is_linear_like, resolve_layers,
 from .compiling import under_torch_compile
 from .config import OffloadOptions, reject_positional
 from .engine import ActivationOffloader, OffloadStats, in_backward
+from .engine.recompute import tensors_in
 from .integrations.kernels import check_kernel_funcs
 from .integrations.liger import fused_linear_cross_entropy_in_use
 from .integrations.trl import TRL_OFFLOADING_WARNING, is_trl_hooks_module
@@ -181,7 +182,8 @@ def _watch_module_structure() -> None:
 
 class _LayerSlot:
     __slots__ = (
-        "controller", "position", "previous_forward", "installation", "name", "_modules", "_device_probe", "late_hook"
+        "controller", "position", "previous_forward", "installation", "name", "_modules", "_device_probe", "late_hook",
+        "attention_hook",
     )  # fmt: skip
 
     def __init__(self, controller: _Controller, position: int, previous_forward: object, layer: nn.Module) -> None:
@@ -194,6 +196,7 @@ class _LayerSlot:
         self._modules = _ModuleCache()
         self._device_probe: tuple[nn.Module, str] | None = None
         self.late_hook = None  # on the attention's first projection: the end of the layer's peak in backward
+        self.attention_hook = None  # on the attention block: the end of what the recompute saves for it
 
     def for_replica(self, replica: nn.Module) -> _LayerSlot:
         """The same slot for an nn.DataParallel replica of the layer, with caches of its own."""
@@ -291,6 +294,7 @@ class _EagerScope:
         )
         if group is None:
             return
+        _scope_the_recompute(layer)
         self.hooks = torch.autograd.graph.saved_tensors_hooks(group.pack, group.unpack)
         self.hooks.__enter__()
         self.group = group
@@ -402,6 +406,106 @@ def _after_attention_projection(engine, module: nn.Module, args, output) -> None
         output.register_hook(functools.partial(_past_the_peak, engine, weakref.ref(group)))
 
 
+_CHECKPOINTING_FUNC = "_gradient_checkpointing_func"  # transformers' GradientCheckpointingLayer calls it
+
+
+class _RecomputeScoped:
+    """A layer's `_gradient_checkpointing_func` (transformers sets one on each layer), passing it the
+    layer's forward wrapped so that its recompute in backward runs inside the engine's
+    `recompute_scope`: what the recompute saves for the attention's backward waits on the host while
+    the MLP's backward runs (`engine.recompute`). The checkpoint itself, reentrant or not, is
+    transformers' and torch's, unchanged. A copy or a pickle of the layer gets the function it wraps."""
+
+    __slots__ = ("original", "layer")
+
+    def __init__(self, original: Callable, layer: nn.Module) -> None:
+        self.original = original
+        self.layer = weakref.ref(layer)
+
+    def __call__(self, function, *args, **kwargs):
+        return self.original(functools.partial(_recompute_in_scope, self.layer, function), *args, **kwargs)
+
+    def __reduce__(self):
+        return (_unwrapped, (self.original,))
+
+    def __deepcopy__(self, memo: dict):
+        from copy import deepcopy
+
+        return deepcopy(self.original, memo)
+
+
+def _unwrapped(original: Callable) -> Callable:
+    return original
+
+
+def _scope_the_recompute(layer: nn.Module) -> None:
+    """Put `_RecomputeScoped` in place on a checkpointed layer (again after transformers set a new
+    function, or on a copy of the layer)."""
+    inner = innermost(layer)
+    function = inner.__dict__.get(_CHECKPOINTING_FUNC)
+    if function is None:
+        return
+    if isinstance(function, _RecomputeScoped):
+        if function.layer() is layer:
+            return
+        function = function.original
+    inner.__dict__[_CHECKPOINTING_FUNC] = _RecomputeScoped(function, layer)
+
+
+def _unscope_the_recompute(layer: nn.Module) -> None:
+    inner = innermost(layer)
+    function = inner.__dict__.get(_CHECKPOINTING_FUNC)
+    if isinstance(function, _RecomputeScoped):
+        inner.__dict__[_CHECKPOINTING_FUNC] = function.original
+
+
+def _recompute_in_scope(layer_ref: weakref.ref, function, *args, **kwargs):
+    """The layer's forward as the checkpoint calls it: in forward as is; in backward (the recompute)
+    inside the engine's recompute scope for the layer whose backward is running."""
+    if not in_backward():
+        return function(*args, **kwargs)
+    layer = layer_ref()
+    slot = layer.__dict__.get(LAYER_STATE_ATTR) if layer is not None else None
+    controller = slot.controller if slot is not None else None
+    group = controller.engine.backward_group() if controller is not None else None
+    if group is None or torch.compiler.is_compiling():
+        return function(*args, **kwargs)
+    inputs = tensors_in((args, kwargs, getattr(function, "args", ()), getattr(function, "keywords", {})), [])
+    with controller.engine.recompute_scope(group, inputs, functools.partial(slot.tensors, layer)):
+        return function(*args, **kwargs)
+
+
+def _after_attention_block(engine, module: nn.Module, args, output) -> None:
+    """Forward hook on a layer's attention block. In forward, and in a reentrant checkpoint's
+    recompute (the graph backward runs through), the gradient of its output is hooked: it arrives
+    once the MLP's backward and the post-attention norm's are done, and before any of the attention's
+    backward runs, and what the recompute parked comes back then (`engine.restore_recomputed`). In a
+    recompute it also ends what counts as saved for the attention (`RecomputeScope.end_window`)."""
+    if torch.compiler.is_compiling():
+        return
+    hidden = output[0] if isinstance(output, (tuple, list)) and output else output
+    if in_backward():
+        group = engine.backward_group()
+        scope = engine.active_recompute(group) if group is not None else None
+        if scope is None:
+            return
+        scope.end_window()
+        if scope.outer is not None:
+            return  # non-reentrant: the recompute's graph is never backpropagated; the forward's hook is
+    else:
+        group = engine.forward_group()
+    if group is None or not (isinstance(hidden, torch.Tensor) and hidden.requires_grad):
+        return
+    hidden.register_hook(functools.partial(_attention_gradient, engine, weakref.ref(group)))
+    group.attention_hooked = True
+
+
+def _attention_gradient(engine, group: weakref.ref, grad: torch.Tensor) -> None:
+    layer_group = group()
+    if layer_group is not None:
+        engine.restore_recomputed(layer_group)
+
+
 def _past_the_peak(engine, group: weakref.ref, grad: torch.Tensor) -> None:
     layer_group = group()
     if layer_group is not None:
@@ -472,6 +576,10 @@ def _install(controller: _Controller, layers: Sequence[nn.Module]) -> None:
             slot.late_hook = projection.register_forward_hook(
                 functools.partial(_after_attention_projection, controller.engine)
             )
+        if attention is not None and slot.attention_hook is None:
+            slot.attention_hook = attention.register_forward_hook(
+                functools.partial(_after_attention_block, controller.engine)
+            )
     controller.layers = unique
 
 
@@ -483,6 +591,10 @@ def _uninstall(controller: _Controller) -> None:
         if slot.late_hook is not None:
             slot.late_hook.remove()
             slot.late_hook = None
+        if slot.attention_hook is not None:
+            slot.attention_hook.remove()
+            slot.attention_hook = None
+        _unscope_the_recompute(layer)
         if instance_forward.wraps(layer, _offloaded_forward):
             if slot.previous_forward is None:
                 del layer.forward

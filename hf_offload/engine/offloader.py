@@ -34,7 +34,7 @@ from copy import deepcopy
 
 import torch
 
-from . import forks, ordering
+from . import forks, ordering, recompute
 from .disk import DiskStore
 from .handles import HostCopy, HostLedger, OffloadedTensor
 from .planner import place_tiers, plan
@@ -231,6 +231,8 @@ class LayerGroup:
         "refused_bytes",
         "late_point",
         "late_pending",
+        "attention_hooked",
+        "parked",
         "__weakref__",
     )
 
@@ -261,6 +263,10 @@ class LayerGroup:
         self.refused_bytes = 0  # host bytes of the copies no tier took (kept 'over_budget')
         self.late_point = False  # the layer signals the end of its peak in backward (`prefetch_point`)
         self.late_pending = False  # the layers before it come back at that point, not at its backward start
+        # The gradient of the attention block's output in the graph backward runs is hooked
+        # (`ActivationOffloader.restore_recomputed`): what the recompute saved for it may wait on the host.
+        self.attention_hooked = False
+        self.parked: list = []  # storages the layer's recompute saved, on the host now (`recompute`)
 
     def protected_storages(self) -> set[int]:
         """The storages of the layer's parameters and buffers and of the model's others, read on
@@ -503,6 +509,9 @@ class ActivationOffloader:
         self._step_groups: weakref.WeakSet[LayerGroup] = weakref.WeakSet()
         self._disk_at_step_start = (0, 0, 0.0, 0.0, 0.0)
         self._reads_waited_at_step_start = 0
+        # The checkpoint recomputes running, per thread (DataParallel's replicas run backward on
+        # threads of their own), innermost last (`recompute`).
+        self._recompute_threads = threading.local()
 
     def configure(
         self,
@@ -669,6 +678,10 @@ class ActivationOffloader:
             total_layer_scopes=life.layer_scopes,
             total_pack_calls=life.pack_calls,
             total_unpack_calls=life.unpack_calls,
+            recompute_offloaded_tensors=step.recompute_offloaded_tensors,
+            recompute_offloaded_bytes=step.recompute_offloaded_bytes,
+            recompute_restored_tensors=step.recompute_restored_tensors,
+            recompute_kept_bytes=step.recompute_kept_bytes,
             **self._disk_stats(),
         )
 
@@ -1095,6 +1108,55 @@ class ActivationOffloader:
                         step.restored_ahead += restored
                     self._holding_ahead.append(weakref.ref(current))
             current = current.prev() if current.prev is not None else None
+
+    def recompute_scope(
+        self, group: LayerGroup, inputs: Iterable[torch.Tensor], protected: Callable[[], Iterable[torch.Tensor]]
+    ) -> recompute.RecomputeScope:
+        """`with engine.recompute_scope(group, inputs, protected): layer_forward(*inputs)` around a
+        checkpointed layer's recompute in backward: what it saves for its attention's backward waits
+        on the host while the MLP's backward runs (`recompute`). `inputs`: every tensor the recompute
+        takes; `protected`: the layer's parameters and buffers."""
+        return recompute.RecomputeScope(self, group, inputs, protected)
+
+    def active_recompute(self, group: LayerGroup) -> recompute.RecomputeScope | None:
+        """The recompute scope running for `group`'s layer, if its recompute is running now."""
+        scopes = self.recompute_scopes()
+        return scopes[-1] if scopes and scopes[-1].group is group else None
+
+    def recompute_scopes(self) -> list[recompute.RecomputeScope]:
+        """This thread's recompute scopes, innermost last."""
+        local = self._recompute_threads
+        scopes = getattr(local, "scopes", None)
+        if scopes is None:
+            scopes = local.scopes = []
+        return scopes
+
+    def park_recomputed(self, scope: recompute.RecomputeScope) -> None:
+        group = scope.group
+        step = self.step
+        if scope.window or not group.attention_hooked or group.parked:
+            # The attention block never returned in the recompute (what was saved after it cannot be
+            # told apart); nothing would bring them back; or a second recompute of one graph
+            # (retain_graph) while the first one's are still parked.
+            return
+        with self._lock:
+            storages = scope.candidates()
+            nbytes = sum(storage.nbytes() for storage in storages)
+            if not storages or nbytes < recompute.RECOMPUTE_OFFLOAD_BYTES:
+                step.recompute_kept_bytes += nbytes
+                return
+            group.parked = parked = recompute.park(group, storages)
+            step.recompute_offloaded_tensors += len(parked)
+            step.recompute_offloaded_bytes += sum(entry.nbytes for entry in parked)
+            step.recompute_kept_bytes += nbytes - sum(entry.nbytes for entry in parked)
+
+    def restore_recomputed(self, group: LayerGroup) -> None:
+        """The gradient of `group`'s attention output has arrived: what its recompute parked comes back."""
+        if not group.parked:
+            return
+        with self._lock:
+            parked, group.parked = group.parked, []
+            self.step.recompute_restored_tensors += recompute.unpark(group, parked)
 
     def prefetch_point(self, group: LayerGroup) -> None:
         """`group`'s layer has passed its peak in backward (its attention's backward is done): the

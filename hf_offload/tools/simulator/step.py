@@ -325,6 +325,14 @@ class _TrackedStreams(MetaStreams):
         with self.tracker.host_allocations():
             return super().host_buffer(nbytes)
 
+    def shrink(self, storage: torch.UntypedStorage) -> None:
+        super().shrink(storage)
+        self.tracker.resized(storage)
+
+    def regrow(self, storage: torch.UntypedStorage, nbytes: int) -> None:
+        super().regrow(storage, nbytes)
+        self.tracker.resized(storage)
+
     def device_buffer(self, nbytes: int) -> torch.Tensor:
         tag = self.tracker.tag
         self.tracker.tag = ("restored", tag[1] if len(tag) > 1 else "")

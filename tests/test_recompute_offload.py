@@ -1,0 +1,217 @@
+"""Inside a checkpointed layer's recompute, what is saved for the attention's backward waits on the
+host while the MLP's backward runs, and comes back when the gradient of the attention's output
+arrives (`hf_offload.engine.recompute`). Exact: bit-identical to the same step without offloading,
+under the race checker's lazy copies; the companions show that a copy back made late, or not made,
+or a storage brought back before the MLP's backward has run, is caught."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import batch, enable_sim, tiny_model, train_step, twin
+from peft import LoraConfig, get_peft_model
+
+import hf_offload
+from hf_offload.engine import ordering, recompute
+from hf_offload.engine.offloader import ActivationOffloader
+from hf_offload.engine.streams import simulated_schedule
+
+pytestmark = pytest.mark.usefixtures("quiet_simulation")
+
+LAYERS = 2
+SETUPS = {
+    "non_reentrant": dict(reentrant=False, tiled=False, lora=False),
+    "reentrant": dict(reentrant=True, tiled=False, lora=False),
+    "non_reentrant_tiled": dict(reentrant=False, tiled=True, lora=False),
+    "reentrant_tiled": dict(reentrant=True, tiled=True, lora=False),
+    "lora_non_reentrant_tiled": dict(reentrant=False, tiled=True, lora=True),
+    "lora_reentrant": dict(reentrant=True, tiled=False, lora=True),
+}
+
+
+def lora(model):
+    torch.manual_seed(3)
+    # init_lora_weights=False: B starts random, so every adapter gradient is non-zero.
+    return get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+
+
+def build(reentrant: bool, tiled: bool, lora: bool):
+    plain = tiny_model("llama", num_hidden_layers=LAYERS)
+    plain.activation_checkpointing_enable({"use_reentrant": reentrant})
+    if tiled:
+        hf_offload.enable_sequence_tiling(plain, tile_tokens=4, loss=False)
+    model = twin(plain)
+    enable_sim(model)
+    if lora:
+        plain, model = globals()["lora"](plain), globals()["lora"](model)
+    return plain, model
+
+
+def layers_of(model):
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.model.layers
+
+
+def identical(plain, model) -> bool:
+    expected_loss, expected = train_step(plain, batch())
+    loss, actual = train_step(model, batch())
+    return torch.equal(expected_loss, loss) and all(torch.equal(expected[k], actual[k]) for k in expected)
+
+
+def spy_events(model, monkeypatch) -> list:
+    """("parked", layer, storages), ("mlp done", layer) when the gradient of the MLP's input arrives,
+    ("restored", layer, sizes the storages had then), in order."""
+    events = []
+    park, unpark = recompute.park, recompute.unpark
+
+    def parking(group, storages):
+        parked = park(group, storages)
+        events.append(("parked", group.position, [entry.storage for entry in parked]))
+        return parked
+
+    def unparking(group, parked):
+        events.append(("restored", group.position, [entry.storage.nbytes() for entry in parked]))
+        return unpark(group, parked)
+
+    monkeypatch.setattr(recompute, "park", parking)
+    monkeypatch.setattr(recompute, "unpark", unparking)
+
+    def mlp_input(module, args, index):
+        hidden = args[0]
+        if hidden.requires_grad:
+            hidden.register_hook(lambda grad: events.append(("mlp done", index)))
+
+    for index, layer in enumerate(layers_of(model)):
+        layer.mlp.register_forward_pre_hook(lambda m, a, index=index: mlp_input(m, a, index))
+    return events
+
+
+def waited_through_the_mlp_backward(events) -> bool:
+    """Every layer parked storages in its recompute; each was freed (0 bytes) until its layer's MLP
+    backward was done, and brought back after that, once."""
+    for layer in range(LAYERS):
+        parked = [i for i, event in enumerate(events) if event[:2] == ("parked", layer)]
+        done = [i for i, event in enumerate(events) if event == ("mlp done", layer)]
+        restored = [i for i, event in enumerate(events) if event[:2] == ("restored", layer)]
+        if len(parked) != 1 or len(restored) != 1 or not done or not events[parked[0]][2]:
+            return False
+        if not parked[0] < done[-1] < restored[0] or any(events[restored[0]][2]):
+            return False
+    return True
+
+
+@pytest.fixture
+def everything_moves(monkeypatch):
+    monkeypatch.setattr(recompute, "RECOMPUTE_OFFLOAD_BYTES", 0)
+
+
+@pytest.mark.parametrize("setup", sorted(SETUPS))
+def test_the_attention_s_saved_tensors_wait_on_the_host_exactly(setup, everything_moves, monkeypatch):
+    with simulated_schedule("lazy"):
+        plain, model = build(**SETUPS[setup])
+        events = spy_events(model, monkeypatch)
+        assert identical(plain, model)
+    assert waited_through_the_mlp_backward(events), events
+    stats = hf_offload.activation_offloading_stats(model)
+    parked = [storage for event in events if event[0] == "parked" for storage in event[2]]
+    assert stats.recompute_offloaded_tensors == stats.recompute_restored_tensors == len(parked) > 0
+    # Back at full size once the step is over; what is counted is what moved.
+    assert stats.recompute_offloaded_bytes == sum(storage.nbytes() for storage in parked)
+    # Nothing the MLP's backward reads moved: no parked storage is one of its intermediates.
+    tokens = batch().numel()
+    intermediate = tokens * model.config.intermediate_size * 4
+    assert all(storage.nbytes() not in (intermediate, intermediate // tokens * 4) for storage in parked)
+
+
+@pytest.mark.parametrize("setup", sorted(SETUPS))
+def test_a_copy_back_the_attention_does_not_wait_for_is_caught(setup, everything_moves, monkeypatch):
+    """Companion: without the wait before the attention's backward reads what came back, the lazy
+    copies have not run, and it reads garbage."""
+    monkeypatch.setattr(ordering, "before_using_recomputed", lambda *args: None)
+    with simulated_schedule("lazy"):
+        plain, model = build(**SETUPS[setup])
+        assert not identical(plain, model)
+
+
+@pytest.mark.parametrize("setup", sorted(SETUPS))
+def test_a_storage_grown_back_without_its_bytes_is_caught(setup, everything_moves, monkeypatch):
+    """Companion: the storages get device memory again, but the copies back are never made."""
+
+    def regrow_only(group, parked):
+        for entry in parked:
+            group.device.streams.regrow(entry.storage, entry.nbytes)
+        return len(parked)
+
+    monkeypatch.setattr(recompute, "unpark", regrow_only)
+    plain, model = build(**SETUPS[setup])
+    assert not identical(plain, model)
+
+
+def test_a_storage_brought_back_before_the_mlp_backward_is_caught(everything_moves, monkeypatch):
+    """Companion of the order check: brought back as soon as parked, the step is still exact, but
+    nothing waited on the host through the MLP's backward."""
+    park_recomputed = ActivationOffloader.park_recomputed
+
+    def parking_and_restoring(self, scope):
+        park_recomputed(self, scope)
+        self.restore_recomputed(scope.group)
+
+    monkeypatch.setattr(ActivationOffloader, "park_recomputed", parking_and_restoring)
+    plain, model = build(**SETUPS["non_reentrant_tiled"])
+    events = spy_events(model, monkeypatch)
+    assert identical(plain, model)
+    assert not waited_through_the_mlp_backward(events)
+
+
+def test_short_sequences_keep_what_the_recompute_saves_on_the_device(monkeypatch):
+    """Below RECOMPUTE_OFFLOAD_BYTES per layer (the default, at this size) nothing moves in the recompute."""
+    plain, model = build(**SETUPS["non_reentrant_tiled"])
+    events = spy_events(model, monkeypatch)
+    assert identical(plain, model)
+    stats = hf_offload.activation_offloading_stats(model)
+    assert stats.recompute_offloaded_tensors == stats.recompute_restored_tensors == 0
+    assert stats.recompute_kept_bytes > 0
+    assert events and all(event[0] == "mlp done" for event in events)
+
+
+def test_disabling_gives_the_layers_their_checkpointing_function_back():
+    _plain, model = build(**SETUPS["non_reentrant"])
+    originals = [layer._gradient_checkpointing_func for layer in layers_of(model)]
+    train_step(model, batch())
+    wrapped = [layer._gradient_checkpointing_func for layer in layers_of(model)]
+    assert all(now is not before for now, before in zip(wrapped, originals, strict=True))
+    hf_offload.disable_activation_offloading(model)
+    for layer, original in zip(layers_of(model), originals, strict=True):
+        assert layer._gradient_checkpointing_func is original
+        assert not layer.self_attn._forward_hooks
+
+
+def test_the_simulator_moves_what_the_engine_moves_inside_the_recompute(monkeypatch):
+    """`hf-offload estimate` runs the engine on the meta device: the same storages move in the
+    recompute as on real tensors, and its tracker sees them leave the device."""
+    from hf_offload.tools.simulator import Simulator, Training
+
+    monkeypatch.setattr(recompute, "RECOMPUTE_OFFLOAD_BYTES", 0)
+    config = dict(vocab_size=64, intermediate_size=256, max_position_embeddings=2048, num_hidden_layers=LAYERS)
+    tokens = 1024
+    # Eager attention: no kernel whose CPU and CUDA versions save different tensors.
+    config["attn_implementation"] = "eager"
+    training = Training(dtype=torch.float32, tile_tokens=128, min_offload_bytes=0)
+    simulator = Simulator(tiny_model(**config).config, training)
+    parked = simulator.run("checkpointing+hf_offload+tiled", tokens)
+    model = tiny_model(**config)
+    model.activation_checkpointing_enable()
+    hf_offload.enable_sequence_tiling(model, tile_tokens=128)
+    hf_offload.enable_activation_offloading(model, simulate_on_cpu=True, min_offload_bytes=0)
+    ids = torch.randint(64, (1, tokens))
+    model(input_ids=ids, labels=ids).loss.backward()
+    real = hf_offload.activation_offloading_stats(model)
+    assert parked.offload_stats["recompute_offloaded_bytes"] == real.recompute_offloaded_bytes > 0
+    assert parked.offload_stats["recompute_offloaded_tensors"] == real.recompute_offloaded_tensors
+    monkeypatch.setattr(recompute, "RECOMPUTE_OFFLOAD_BYTES", 2**62)
+    kept = simulator.run("checkpointing+hf_offload+tiled", tokens)
+    assert kept.offload_stats["recompute_offloaded_bytes"] == 0
+    # While each layer's MLP runs its backward, less is on the device (here attention's own
+    # backward, eager's score matrices back, holds the step's peak).
+    mlp = [tag for tag in kept.tag_peaks if tag[0] == "backward" and str(tag[-1]).endswith("mlp")]
+    assert mlp and all(parked.tag_peaks[tag] < kept.tag_peaks[tag] for tag in mlp), (mlp, kept.tag_peaks)
