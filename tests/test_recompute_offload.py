@@ -115,6 +115,7 @@ def test_the_attention_s_saved_tensors_wait_on_the_host_exactly(setup, everythin
     stats = hf_offload.activation_offloading_stats(model)
     parked = [storage for event in events if event[0] == "parked" for storage in event[2]]
     assert stats.recompute_offloaded_tensors == stats.recompute_restored_tensors == len(parked) > 0
+    assert stats.live_host_copies == 0 and stats.host_bytes_held == 0  # nothing outlives the step's graph
     # Back at full size once the step is over; what is counted is what moved.
     assert stats.recompute_offloaded_bytes == sum(storage.nbytes() for storage in parked)
     # Nothing the MLP's backward reads moved: no parked storage is one of its intermediates.

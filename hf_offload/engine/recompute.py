@@ -105,14 +105,22 @@ class RecomputeScope:
         return self
 
     def __exit__(self, exc_type, exc, traceback) -> None:
-        if self.hooks is None:
+        hooks = self.hooks
+        if hooks is None:
             return
         self.engine.recompute_scopes().remove(self)
-        self.hooks.__exit__(exc_type, exc, traceback)
-        # The non-reentrant checkpoint ends its recompute early, by an exception, once it has what
-        # backward needs; any other exception ends the backward, and nothing is moved.
-        if exc_type is None or exc_type.__name__ == "_StopRecomputationError":
-            self.engine.park_recomputed(self)
+        hooks.__exit__(exc_type, exc, traceback)
+        try:
+            # The non-reentrant checkpoint ends its recompute early, by an exception, once it has
+            # what backward needs; any other exception ends the backward, and nothing is moved.
+            if exc_type is None or exc_type.__name__ == "_StopRecomputationError":
+                self.engine.park_recomputed(self)
+        finally:
+            # The recompute's graph keeps `unpack` (so this object) as long as it lives, and the
+            # hooks object made a cycle through `pack`: let go of the layer's group (its host
+            # copies), the storages and the inputs now.
+            self.hooks = self.group = self.protected = None
+            self.before, self.after, self.inputs = {}, set(), ()
 
     def pack(self, tensor: torch.Tensor):
         if type(tensor) is torch.Tensor and tensor.layout is torch.strided:
