@@ -6,6 +6,8 @@ or a storage brought back before the MLP's backward has run, is caught."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import batch, enable_sim, tiny_model, train_step, twin
@@ -209,6 +211,9 @@ def test_the_simulator_moves_what_the_engine_moves_inside_the_recompute(monkeypa
     real = hf_offload.activation_offloading_stats(model)
     assert parked.offload_stats["recompute_offloaded_bytes"] == real.recompute_offloaded_bytes > 0
     assert parked.offload_stats["recompute_offloaded_tensors"] == real.recompute_offloaded_tensors
+    # A setup simulated as systems without it run (ALST's, in benchmarks/published.py).
+    without = Simulator(simulator.config, dataclasses.replace(training, recompute_offload=False))
+    assert without.run("checkpointing+hf_offload+tiled", tokens).offload_stats["recompute_offloaded_bytes"] == 0
     monkeypatch.setattr(recompute, "RECOMPUTE_OFFLOAD_BYTES", 2**62)
     kept = simulator.run("checkpointing+hf_offload+tiled", tokens)
     assert kept.offload_stats["recompute_offloaded_bytes"] == 0

@@ -25,7 +25,7 @@ quadratic attention only at long context, hence `RECOMPUTE_OFFLOAD_BYTES`.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
@@ -39,6 +39,18 @@ from .streams import flat_bytes
 # attention, so 8 GiB is ~210k tokens, where the stall is ~0.3 s beside ~3 s of that layer's attention
 # (forward, recompute and backward at ~500 TFLOP/s): the ratio halves each time the length doubles.
 RECOMPUTE_OFFLOAD_BYTES = 8 * 2**30
+
+
+@contextlib.contextmanager
+def threshold(nbytes: int) -> Iterator[None]:
+    """Within this block, `RECOMPUTE_OFFLOAD_BYTES` is `nbytes` (the memory simulator's steps of
+    setups that keep the recompute's tensors on the device, as ALST does: 2**62)."""
+    global RECOMPUTE_OFFLOAD_BYTES
+    previous, RECOMPUTE_OFFLOAD_BYTES = RECOMPUTE_OFFLOAD_BYTES, nbytes
+    try:
+        yield
+    finally:
+        RECOMPUTE_OFFLOAD_BYTES = previous
 
 
 def _storage_key(storage: torch.UntypedStorage) -> int:

@@ -26,6 +26,7 @@ import torch
 
 import hf_offload
 from hf_offload.config import DEFAULT_MIN_OFFLOAD_BYTES, DISK_SPACE_SHARE, HOST_MEMORY_SHARE, TilingOptions
+from hf_offload.engine import recompute
 from hf_offload.internal import (
     MetaStreams,
     TierPlan,
@@ -71,6 +72,10 @@ class Training:
     keep_last_layers: int = 1
     prefetch_layers: int = 1
     min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES
+    # What a checkpointed layer's recompute saves for its attention waits on the host past
+    # `RECOMPUTE_OFFLOAD_BYTES` a layer (hf_offload's behaviour, `engine/recompute.py`); False keeps
+    # it on the device, as systems without it do (ALST's setups in `benchmarks/published.py`).
+    recompute_offload: bool = True
     host_memory_bytes: int | None = None  # the simulated host's RAM; None: unlimited
     # Free space for the disk tier (hf_offload's default max_disk_bytes is 80% of it); None: no disk
     # tier. With it the step offloads every layer (nothing stays on the device for want of host
@@ -633,6 +638,8 @@ class Simulator:
                 # With a disk tier the host budget holds what the disk does not: the step offloads
                 # everything, and `place_tiers` judges the two tiers after it.
                 host = None if training.disk_memory_bytes is not None else training.host_budget_bytes
+                if not training.recompute_offload:
+                    stack.enter_context(recompute.threshold(2**62))
                 hf_offload.enable_activation_offloading(
                     base,
                     simulate_on_cpu=True,
