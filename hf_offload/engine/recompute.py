@@ -34,11 +34,12 @@ from .pool import rounded_size
 from .streams import flat_bytes
 
 # Below this many bytes a layer's recompute keeps what it saved on the device (today's behaviour).
-# The copies out and back are waited for: about 2 x bytes / 55 GB/s per layer (H200, pinned), while
-# the layer's attention costs ~ tokens^2: Llama-3-8B's layer saves about 40 KB a token for its
-# attention, so 8 GiB is ~210k tokens, where the stall is ~0.3 s beside ~3 s of that layer's attention
-# (forward, recompute and backward at ~500 TFLOP/s): the ratio halves each time the length doubles.
-RECOMPUTE_OFFLOAD_BYTES = 8 * 2**30
+# The copies out and back are waited for: 2 x bytes / 55 GB/s per layer (an H200's pinned link),
+# beside the layer's time, which grows as tokens^2. Simulated 2026-12-07 (Llama-3-8B LoRA r=16,
+# tiled, 262,144 tokens, the H200 time model): the host pool grows by 9 GiB (a layer parks 36 KB a token), 0.35 s of
+# copies against 5.2 s of its forward and backward (6.7%); at 32 GiB (~930k tokens) the ratio is
+# under 2%, the step-time goal. Chosen for the step time; a lower value trades time for memory.
+RECOMPUTE_OFFLOAD_BYTES = 32 * 2**30
 
 
 @contextlib.contextmanager
