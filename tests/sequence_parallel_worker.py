@@ -934,6 +934,317 @@ def scenario_gpu_multi_smoke() -> dict:
     return {"rows": rows, "written": os.path.exists(out) if dist.get_rank() == 0 else None}
 
 
+# --- a rank's own rows under register_ulysses (issue 48) ---------------------------------------
+
+
+def own_prompts() -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's 2 prompts (6 and 4 tokens), left-padded as generate wants them."""
+    generator = torch.Generator().manual_seed(500 + dist.get_rank())
+    ids = torch.randint(1, VOCAB, (2, 6), generator=generator)
+    mask = torch.ones_like(ids)
+    ids[1, :2], mask[1, :2] = 0, 0
+    return ids, mask
+
+
+def generations(model: torch.nn.Module) -> dict:
+    """Greedy tokens of this rank's prompts: with and without a KV cache, in training and eval mode."""
+    ids, mask = own_prompts()
+    out = {}
+    for mode in ("train", "eval"):
+        model.train(mode == "train")
+        for cache in (True, False):
+            with torch.no_grad():
+                tokens = model.generate(
+                    input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, use_cache=cache,
+                    pad_token_id=0,
+                )
+            out[f"{mode}_{'cache' if cache else 'no_cache'}"] = tokens[:, ids.shape[1]:].tolist()
+    model.train()
+    return out
+
+
+def preference_step(model: torch.nn.Module) -> tuple[float, float, dict]:
+    """A DPO-like step on this rank's own rows (each rank its own pairs, as TRL's trainers give them):
+    chosen and rejected rows in one batch, the rejected ones right-padded, the per-sequence sums of
+    token log-probabilities, DPO's sigmoid loss against a zero reference margin. Returns the loss, the
+    eval-mode loss of the rows under no_grad (what evaluate() computes), and the gradients."""
+    generator = torch.Generator().manual_seed(700 + dist.get_rank())
+    ids = torch.randint(1, VOCAB, (4, 12), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[2:, 9:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    model.zero_grad(set_to_none=True)
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
+    targets = labels[:, 1:]
+    logprobs = torch.log_softmax(logits.double(), -1).gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    sums = (logprobs * (targets != -100)).sum(-1)
+    loss = -torch.nn.functional.logsigmoid(0.1 * (sums[:2] - sums[2:])).mean()
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    model.eval()
+    with torch.no_grad():
+        eval_loss = float(model(input_ids=ids, attention_mask=mask, labels=labels).loss)
+    model.train()
+    return float(loss.detach()), eval_loss, grads
+
+
+def own_rows_checks(model: torch.nn.Module) -> dict:
+    loss, eval_loss, grads = preference_step(model)
+    return {"generations": generations(model), "loss": loss, "eval_loss": eval_loss, "grads": grads}
+
+
+def compare_own_rows(expected: dict, actual: dict) -> dict:
+    worst = max(
+        float((actual["grads"][n] - g).norm() / g.norm().clamp(min=1e-30)) for n, g in expected["grads"].items()
+    )
+    return {
+        "same_tokens": {key: actual["generations"][key] == value for key, value in expected["generations"].items()},
+        "loss_rel": abs(actual["loss"] - expected["loss"]) / abs(expected["loss"]),
+        "eval_loss_rel": abs(actual["eval_loss"] - expected["eval_loss"]) / abs(expected["eval_loss"]),
+        "grad_rel": worst,
+    }
+
+
+def scenario_own_rows() -> dict:
+    """register_ulysses, then what is not one sequence split across the group: each rank's own rows,
+    whole. For checkpointing off, reentrant and non-reentrant (tiling on): greedy generate with and
+    without a KV cache in training and eval mode, a DPO-like step's loss and gradients and the rows'
+    eval loss under no_grad, each against the same model before registering (one process). Then the
+    adapted batches trained between them (a generate with a cache after each shard's forward, before
+    its backward: the recompute must exchange again) against one process on the whole sequences.
+    Companions: the exchange forced on for the own rows; the recompute's decision forgotten."""
+    results = {}
+    for mode in ("none", "reentrant", "non_reentrant"):
+        model = heads_model(4, mode)
+        expected = own_rows_checks(model)
+        sp.register_ulysses(model, SP, micro_batch_size=ROWS)
+        try:
+            results[mode] = compare_own_rows(expected, own_rows_checks(model))
+        finally:
+            sp.unregister_ulysses()
+    # Companion: every attention call through the exchange, as before the gate.
+    model = heads_model(4)
+    expected = own_rows_checks(model)
+    sp.register_ulysses(model, SP, micro_batch_size=4)  # the preference step's rows: DeepSpeed's shapes
+    original = sp.through_exchange
+    sp.through_exchange = lambda query, key, kwargs: True
+    try:
+        loss, eval_loss, grads = preference_step(model)
+    finally:
+        sp.through_exchange = original
+        sp.unregister_ulysses()
+    results["forced_exchange"] = compare_own_rows(expected, {**expected, "loss": loss, "eval_loss": eval_loss,
+                                                             "grads": grads})
+    results["interleaved"] = interleaved("non_reentrant")
+    results["interleaved_reentrant"] = interleaved("reentrant")
+    original = sp._decided
+    # Reentrant: torch checks nothing (non-reentrant checkpointing's own check refuses a recompute that
+    # saves other tensors than its forward).
+    sp._decided = lambda positions: None  # the recompute finds no decision: it attends locally
+    try:
+        results["recompute_forgotten"] = interleaved("reentrant")
+    finally:
+        sp._decided = original
+    return results
+
+
+def interleaved(mode: str) -> dict:
+    """Adapted training, a cached generate on this rank's prompts between each shard's forward and
+    its backward; against one process on the whole sequences."""
+    ref = reference(lambda: heads_model(8, mode))
+    model = heads_model(8, mode)
+    ulysses = sp.register_ulysses(model, SP, micro_batch_size=ROWS)
+    ids, mask = own_prompts()
+
+    def step(loss):
+        with torch.no_grad():
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0)
+        model.train()
+        loss.backward()
+
+    try:
+        return differences(ref, sp_train(model, model, ulysses, step_fn=step))
+    finally:
+        sp.unregister_ulysses()
+
+
+def scenario_dpo_trainer() -> dict:
+    """TRL's DPOTrainer after register_ulysses, as a user would combine them: DDP, every rank its own
+    pair (all sequences 9 tokens), one SGD step. Against TRL's own compute_loss replayed on each rank
+    at the starting weights with Ulysses unregistered, on the inputs that rank scored, the gradients
+    averaged over the ranks: the rank's loss, and every gradient the optimizer steps with. Companion: the
+    exchange forced on for the trainer's forwards (each rank's rows then score another rank's)."""
+    from conftest import quiet_training_args
+    from datasets import Dataset
+    from trl import DPOConfig, DPOTrainer
+
+    def words(generator, count):
+        return " ".join(str(int(i)) for i in torch.randint(2, VOCAB, (count,), generator=generator))
+
+    generator = torch.Generator().manual_seed(900)
+    # A completion starts with a space: its first word is a token of its own, not merged with the prompt's last.
+    rows = [{"prompt": words(generator, 4), "chosen": " " + words(generator, 4), "rejected": " " + words(generator, 4)}
+            for _ in range(2)]  # fmt: skip
+
+    def run(forced: bool, out: str) -> dict:
+        from accelerate.state import AcceleratorState, GradientState, PartialState
+
+        restore_attention()
+        AcceleratorState._reset_state(True)  # the earlier scenarios' DeepSpeed plugin and SP settings
+        GradientState._reset_state()
+        PartialState._reset_state()
+        model = tiny_model("llama", seed=0, use_cache=False)
+        reference_model = tiny_model("llama", seed=0, use_cache=False)
+        start = {n: p.detach().clone() for n, p in model.named_parameters()}
+        args = DPOConfig(**quiet_training_args(out, max_steps=1, per_device_train_batch_size=1, learning_rate=LR,
+                                               lr_scheduler_type="constant", max_grad_norm=0.0, weight_decay=0.0,
+                                               optim="sgd"), bf16=False)  # fmt: skip
+        scored = []
+
+        class Recording(DPOTrainer):
+            def compute_loss(self, model, inputs, *rest, **kwargs):
+                loss = super().compute_loss(model, inputs, *rest, **kwargs)
+                if model.training:
+                    scored.append(({k: v.detach().clone() if torch.is_tensor(v) else v for k, v in inputs.items()},
+                                   float(loss.detach())))  # fmt: skip
+                return loss
+
+        from transformers import TrainerCallback
+
+        stepped = {}
+
+        class Gradients(TrainerCallback):  # the gradients the optimizer steps with (averaged over the ranks by DDP)
+            def on_pre_optimizer_step(self, args, state, control, **kwargs):
+                stepped.update({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
+
+        trainer = Recording(model=model, ref_model=reference_model, args=args, train_dataset=Dataset.from_list(rows),
+                            processing_class=token_ids_tokenizer(), callbacks=[Gradients()])  # fmt: skip
+        sp.register_ulysses(model, SP, micro_batch_size=2)  # chosen and rejected: 2 rows
+        original = sp.through_exchange
+        if forced:
+            sp.through_exchange = lambda query, key, kwargs: True
+        try:
+            trainer.train()
+        finally:
+            sp.through_exchange = original
+            sp.unregister_ulysses()
+        # The replay: TRL's compute_loss on this rank's inputs at the starting weights, one process's attention.
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                param.copy_(start[name])
+        model.zero_grad(set_to_none=True)
+        (inputs, loss), = scored
+        replayed = trainer.compute_loss(model, inputs)
+        replayed.backward()
+        worst = 0.0
+        for name, param in model.named_parameters():
+            expected = param.grad.clone()
+            dist.all_reduce(expected)
+            expected /= dist.get_world_size()
+            worst = max(worst, float((stepped[name] - expected).norm() / expected.norm().clamp(min=1e-30)))
+        return {"loss": loss, "replayed_loss": float(replayed.detach()),
+                "loss_rel": abs(loss - float(replayed.detach())) / abs(float(replayed.detach())), "grad_rel": worst,
+                "rows": inputs["input_ids"].shape[0] if "input_ids" in inputs else None}  # fmt: skip
+
+    out = os.path.dirname(OUT)
+    # accelerate leaves ACCELERATE_USE_DEEPSPEED=true behind once given a DeepSpeed plugin (the earlier scenarios).
+    deepspeed_env = os.environ.pop("ACCELERATE_USE_DEEPSPEED", None)
+    try:
+        plain = run(False, os.path.join(out, "dpo"))
+        return {"plain": plain, "forced_exchange": run(True, os.path.join(out, "dpo_forced"))}
+    finally:
+        if deepspeed_env is not None:
+            os.environ["ACCELERATE_USE_DEEPSPEED"] = deepspeed_env
+
+
+def scenario_grpo_trainer() -> dict:
+    """TRL's GRPOTrainer after register_ulysses (DDP, every rank its own prompt, 2 sampled generations of
+    4 tokens each through transformers' generate, one SGD step): each rank's loss and the gradients the optimizer
+    steps with against TRL's own compute_loss replayed on one process at the starting weights on the
+    inputs that rank scored (its completions, advantages and old log-probabilities). Companion: the
+    exchange forced on for grad-enabled forwards (the loss forward, as before the gate)."""
+    from conftest import quiet_training_args
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    generator = torch.Generator().manual_seed(950)
+    prompts = [" ".join(str(int(i)) for i in torch.randint(20, VOCAB, (4,), generator=generator)) for _ in range(2)]
+
+    def reward(completions, **kwargs):
+        return [float(sum(int(word) for word in text.split() if word.isdigit())) for text in completions]
+
+    def run(forced: bool, out: str) -> dict:
+        from accelerate.state import AcceleratorState, GradientState, PartialState
+
+        restore_attention()
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+        PartialState._reset_state()
+        model = tiny_model("llama", seed=0, use_cache=False)
+        start = {n: p.detach().clone() for n, p in model.named_parameters()}
+        args = GRPOConfig(**quiet_training_args(out, max_steps=1, per_device_train_batch_size=2, learning_rate=LR,
+                                                lr_scheduler_type="constant", max_grad_norm=0.0, weight_decay=0.0,
+                                                optim="sgd"),
+                          bf16=False, num_generations=2, max_completion_length=4,
+                          generation_kwargs={"min_new_tokens": 4})  # fmt: skip
+        scored, stepped = [], {}
+
+        class Gradients(TrainerCallback):
+            def on_pre_optimizer_step(self, args, state, control, **kwargs):
+                stepped.update({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
+
+        class Recording(GRPOTrainer):
+            def compute_loss(self, model, inputs, *rest, **kwargs):
+                loss = super().compute_loss(model, inputs, *rest, **kwargs)
+                if model.training and torch.is_grad_enabled():
+                    scored.append(({k: v.detach().clone() if torch.is_tensor(v) else v for k, v in inputs.items()},
+                                   float(loss.detach())))  # fmt: skip
+                return loss
+
+        trainer = Recording(model=model, reward_funcs=reward, args=args,
+                            train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]),
+                            processing_class=token_ids_tokenizer(), callbacks=[Gradients()])  # fmt: skip
+        sp.register_ulysses(model, SP, micro_batch_size=2)
+        original = sp.through_exchange
+        if forced:
+            sp.through_exchange = lambda query, key, kwargs: torch.is_grad_enabled()
+        try:
+            trainer.train()
+        finally:
+            sp.through_exchange = original
+            sp.unregister_ulysses()
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                param.copy_(start[name])
+        model.zero_grad(set_to_none=True)
+        (inputs, loss), = scored
+        replayed = trainer.compute_loss(model, inputs)
+        replayed.backward()
+        worst = 0.0
+        for name, param in model.named_parameters():
+            expected = param.grad.clone()
+            dist.all_reduce(expected)
+            expected /= dist.get_world_size()
+            worst = max(worst, float((stepped[name] - expected).norm() / expected.norm().clamp(min=1e-30)))
+        replayed_loss = float(replayed.detach())
+        relative = abs(loss - replayed_loss) / max(abs(replayed_loss), 1e-30)
+        return {"loss": loss, "replayed_loss": replayed_loss, "loss_rel": relative,
+                "grad_rel": worst, "completion_ids": inputs["completion_ids"].tolist(),
+                "prompt_ids": inputs["prompt_ids"].tolist(), "advantages": inputs["advantages"].tolist(),
+                "grad_norm": float(sum(g.norm() ** 2 for g in stepped.values()) ** 0.5)}  # fmt: skip
+
+    out = os.path.dirname(OUT)
+    deepspeed_env = os.environ.pop("ACCELERATE_USE_DEEPSPEED", None)
+    try:
+        plain = run(False, os.path.join(out, "grpo"))
+        return {"plain": plain, "forced_exchange": run(True, os.path.join(out, "grpo_forced"))}
+    finally:
+        if deepspeed_env is not None:
+            os.environ["ACCELERATE_USE_DEEPSPEED"] = deepspeed_env
+
+
 SCENARIOS = {
     "loop": scenario_loop,
     "loop_float32": lambda: scenario_loop(torch.float32),
@@ -961,6 +1272,9 @@ SCENARIOS = {
     "head_chunks_wrong_key_values": scenario_head_chunks_wrong_key_values,
     "docs_recipes": scenario_docs_recipes,
     "gpu_multi_smoke": scenario_gpu_multi_smoke,
+    "own_rows": scenario_own_rows,
+    "dpo_trainer": scenario_dpo_trainer,
+    "grpo_trainer": scenario_grpo_trainer,
 }
 
 

@@ -124,8 +124,25 @@ def test_a_model_that_fails_in_its_own_code_is_a_clear_error(tmp_path, capsys, m
         raise RuntimeError("The expanded size of the tensor (8192) must match the existing size (512)\nmore")
 
     monkeypatch.setattr(estimate_module, "run_estimate", fails)
-    err = error_of(capsys, "--model", str(config_dir(tmp_path, json.dumps(LLAMA))), "--modes", "none")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["estimate", "--model", str(config_dir(tmp_path, json.dumps(LLAMA))), "--modes", "none"])
+    err = capsys.readouterr().err
     assert "at 8192 tokens: the model failed: RuntimeError: The expanded size of the tensor (8192)" in err
+    # Not the arguments' failure: no usage text, and not argparse's exit status 2.
+    assert exit_info.value.code == 1 and "usage:" not in err
+
+
+def test_a_mixture_of_experts_with_lora_is_simulated(tmp_path, capsys):
+    """PEFT 0.22's LoRA on expert parameters opens `torch.autocast(device_type=W.device.type,
+    enabled=False)`, which PyTorch refuses for "meta" ("unsupported scalarType"): the simulator
+    answers it as the CPU's autocast (stand_ins.autocast_regions_on_meta)."""
+    moe = {"model_type": "qwen2_moe", "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+           "shared_expert_intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "num_experts": 4, "num_experts_per_tok": 2, "vocab_size": 256,
+           "max_position_embeddings": 4096}  # fmt: skip
+    args = ["--model", str(config_dir(tmp_path, json.dumps(moe))), "--lora-rank", "4", "--seq-len", "512"]
+    assert main(["estimate", *args, "--modes", "none"]) == 0
+    assert "none:" in capsys.readouterr().out
 
 
 def test_a_mode_that_moved_nothing_says_why(tmp_path, capsys):
@@ -187,6 +204,7 @@ FAIL_BEFORE_TORCH = [
     (["estimate", "--bnb-4bit-quant-type", "nf4"], "describes a 4-bit base: give --load-in-4bit too"),
     (["estimate", "--load-in-4bit"], "a 4-bit base is trained through adapters: give --lora-rank"),
     (["estimate", "--modes", "hf_offload_auto"], "hf_offload_auto reads the device's free memory"),
+    (["estimate", "--device", "h100-80gb", "--reserve", "buckets=1"], "argument --reserve: 'buckets=1': unknown item"),
     (["demo", "--steps", "0"], "argument --steps: steps must be >= 1, got 0"),
     (["demo", "--device", "CUDA:x"], "argument --device: 'CUDA:x' is not a torch device; use cpu, cuda or cuda:N"),
     (["demo", "--model", "/no/such/model"], "argument --model: '/no/such/model' is not a local directory"),

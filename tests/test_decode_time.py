@@ -52,3 +52,21 @@ def test_decode_seconds_grow_with_the_cache_and_the_host_sets_a_floor():
     _, slow_host, floored_host = decode_time.decode_seconds(device, (16e9, 1e6), (0.0, 0.0), steps=1000,
                                                             host_seconds=1.0, rates_=rates)  # fmt: skip
     assert floored_host == 1000 and slow_host == pytest.approx(1000.0)
+
+
+def test_one_long_row_alone_is_as_slow_as_the_published_200k_token_point():
+    """vLLM 0.4.2 decoded one 200K-token row of Llama-3-8B at 30 ms a token on an H800
+    (lmdeploy#1608), 1.8x what the bandwidth model at the fitted efficiency says: the slow end of a
+    lone row's decode reproduces it, the fast end stays the CUDA graph step's; without the lone
+    row's cache read apart, the slow end is the bandwidth model's."""
+    rates = decode_time.rates()
+    (point,) = [p for p in decode_time.decode_points() if p["role"] == "long_context_batch_1"]
+    device = DEVICES[point["device"]]
+    shape = decode_time._shape(point["preset"])
+    kv = shape["kv_elements"] * point["assumed"]["kv_bytes_per_element"] * point["setup"]["input_tokens"]
+    read = (decode_time._weights_read(point) + kv, 0.0)
+    fast, slow, _ = decode_time.decode_seconds(device, read, (0.0, 0.0), steps=1, lone_kv=(kv, 0.0))
+    assert slow == pytest.approx(point["figure"]["value"] / 1e3, rel=1e-9)
+    _, bandwidth_only, _ = decode_time.decode_seconds(device, read, (0.0, 0.0), steps=1)
+    assert bandwidth_only == pytest.approx(decode_time.predict(point, rates.memory_efficiency) / 1e3)
+    assert fast < bandwidth_only < 0.6 * slow

@@ -14,7 +14,7 @@ from conftest import tiny_model
 from hf_offload.tools.allocations import peak_allocated
 from hf_offload.tools.simulator import Simulator, Training, TrlStep
 from hf_offload.tools.simulator import generation as generation_module
-from hf_offload.tools.simulator.generation import HostReadNotSimulated, Line, generation_config_as_trl
+from hf_offload.tools.simulator.generation import HostReadNotSimulated, Line, generation_config_as_trl, probed
 
 PROMPT = 16
 # A vocabulary of 64 words and eager attention (no kernel whose CPU and CUDA versions allocate
@@ -32,15 +32,15 @@ def simulator():
 
 
 @functools.cache
-def real_generate_peak(rows: int, completion: int) -> int:
+def real_generate_peak(rows: int, completion: int, config: tuple = ()) -> int:
     """The most bytes real `generate` allocates on the CPU for `rows` left-padded prompts (the first
     row one token shorter) and `completion` new tokens, as TRL calls it (every row to the end:
     `run_to_the_end`)."""
     extra = run_to_the_end(completion)
-    model = tiny_model(**CONFIG)
+    model = tiny_model(**{**CONFIG, **dict(config)})
     model.train()
     generator = torch.Generator().manual_seed(rows)
-    ids = torch.randint(4, CONFIG["vocab_size"], (rows, PROMPT), generator=generator)
+    ids = torch.randint(4, 64, (rows, PROMPT), generator=generator)
     mask = torch.ones_like(ids)
     ids[0, 0], mask[0, 0] = CONFIG["pad_token_id"], 0
     config = generation_config_as_trl(model, completion, extra)
@@ -133,3 +133,25 @@ def test_the_generation_config_is_trls(tmp_path):
     fields = ("max_new_tokens", "do_sample", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
               "cache_implementation", "disable_compile", "pad_token_id")  # fmt: skip
     assert {name: getattr(ours, name) for name in fields} == {name: getattr(theirs, name) for name in fields}
+
+
+# A vocabulary of 4,096 words: at a short cache the sampler's float32 copies of the logits set
+# generate's peak; from a few hundred tokens a per-layer copy of the cache does (eager attention's
+# repeat_kv here; DynamicCache's torch.cat with SDPA), which the short run's line does not see.
+WIDE = (("vocab_size", 4096), ("max_position_embeddings", 4096))
+
+
+@pytest.mark.parametrize("completion", [384, 576])
+def test_the_peak_is_simulated_where_the_cache_copy_outgrows_the_short_runs(completion):
+    """At lengths where a copy of one layer's cache sets the peak, the peak simulated again there
+    (`probed`: a prompt as long as the cache before the last step) is what real CPU generate holds,
+    within 1.5% and never under; extrapolated from the short run's line alone it falls short (the
+    companion: the line of what peaked at 16 tokens)."""
+    wide = Simulator(tiny_model(**{**CONFIG, **dict(WIDE)}).config,
+                     Training(dtype=torch.float32, trl=TrlStep("grpo", kernel="torch")))  # fmt: skip
+    kwargs = run_to_the_end(completion)
+    short = wide.generate("none", rows=2, prompt_length=PROMPT, padded=True, generation_kwargs=kwargs)
+    held = probed(wide, "none", short, completion, generation_kwargs=kwargs)
+    real = real_generate_peak(2, completion, WIDE)
+    assert real <= held.peak_bytes(completion) <= 1.015 * real
+    assert short.peak_bytes(completion) < 0.99 * real

@@ -419,3 +419,116 @@ def test_a_model_without_a_transformers_config_is_refused():
 
     with pytest.raises(TypeError, match=r"transformers model"):
         sp.check_sequence_parallel(torch.nn.Linear(2, 2), 2)
+
+
+# --- what is not one sequence split across the group (issue 48) ---------------------------------
+OWN_ROWS_MODES = ("none", "reentrant", "non_reentrant")
+
+
+@pytest.mark.parametrize("mode", OWN_ROWS_MODES)
+def test_a_ranks_own_rows_run_as_one_process_under_register_ulysses(runs, mode):
+    """After register_ulysses, a rank's own rows, whole (generate, evaluation, TRL's preference and
+    online trainers' batches) attend locally: greedy generate with and without a KV cache, in training
+    and eval mode, gives one process's tokens (never DeepSpeed's shape assertion); a DPO-like step on
+    each rank's own pairs (right-padded rejected rows) gives one process's loss and gradients, and the
+    rows' eval loss under no_grad (what evaluate() computes) one process's, with checkpointing as named
+    (tiling over heads on)."""
+    for rank, ranks in enumerate(runs["own_rows"]):
+        assert "error" not in ranks, ranks.get("traceback")
+        result = ranks[mode]
+        assert all(result["same_tokens"].values()), f"rank {rank}: {result['same_tokens']}"
+        assert result["loss_rel"] == 0.0 and result["eval_loss_rel"] == 0.0 and result["grad_rel"] == 0.0, result
+
+
+def test_a_rank_scoring_another_ranks_rows_is_caught(runs):
+    """Companion: the exchange forced on for the own rows (as before the gate) makes the ranks'
+    different rows halves of one sequence: the comparison above sees the gradients move on every
+    rank and rank 1's loss."""
+    ranks = runs["own_rows"]
+    assert all(result["forced_exchange"]["grad_rel"] > 0.1 for result in ranks)
+    assert ranks[1]["forced_exchange"]["loss_rel"] > 1e-4 and ranks[1]["forced_exchange"]["eval_loss_rel"] > 1e-4
+
+
+@pytest.mark.parametrize("scenario", ["interleaved", "interleaved_reentrant"])
+def test_shards_still_go_through_the_exchange_between_own_forwards(runs, scenario):
+    """Adapted training with a cached generate on each rank's own prompts between every shard's
+    forward and its backward (one key/value head: DeepSpeed repeats it and sets the module's
+    grouped-query ratio for its heads): the checkpoint's recompute exchanges again, and the losses
+    and gradients are one process's on the whole sequences."""
+    ranks = [result[scenario] for result in runs["own_rows"]]
+    assert_matches_one_process(ranks, FLOAT64_GRAD)
+
+
+def test_a_recompute_that_forgets_its_forwards_decision_is_caught(runs):
+    """Companion: a reentrant checkpoint's recompute not finding its forward's decision attends
+    locally, and the gradients are no longer one process's (non-reentrant checkpointing refuses it
+    itself: the recompute saves other tensors)."""
+    for result in runs["own_rows"]:
+        assert result["recompute_forgotten"]["grad_rel"] > 0.1
+
+
+def test_trls_dpo_trainer_after_register_ulysses_trains_each_ranks_own_pairs_as_one_process(runs):
+    """TRL's DPOTrainer combined with register_ulysses (DDP, every rank its own pair, one SGD step):
+    each rank's loss is TRL's own compute_loss replayed on one process at the starting weights on the
+    inputs that rank scored, and the gradients the optimizer steps with are the replays' averaged over
+    the ranks, exactly. Companion: with the exchange forced on (as before the gate) every gradient
+    moves; the loss does not (log 2 at step 0, the policy equal to its reference), as the issue saw."""
+    for result in runs["dpo_trainer"]:
+        assert "error" not in result, result.get("traceback")
+        plain, forced = result["plain"], result["forced_exchange"]
+        assert plain["rows"] == 2 and plain["loss_rel"] == 0.0 and plain["grad_rel"] == 0.0, plain
+        assert forced["grad_rel"] > 0.1, forced
+
+
+def test_a_kv_cache_reaching_accelerates_ulysses_exchange_is_refused_by_name():
+    """Under accelerate's or the Trainer's Ulysses (attention tiled over heads, so that our forward runs
+    in DeepSpeed's place), a decoding step of generate in training mode (keys longer than queries)
+    is refused naming generate and what to do, not DeepSpeed's bare shape assertion; in eval mode with
+    disable_in_eval, and for calls whose keys are the queries' length, nothing is refused."""
+    import types
+
+    import torch
+
+    module = torch.nn.Linear(1, 1)
+    ulysses = types.SimpleNamespace(disable_in_eval=True)
+    query, cached, whole = torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 7, 4), torch.zeros(1, 2, 1, 4)
+    with pytest.raises(ValueError, match=r"KV cache .*generate.*model\.eval\(\) before generate"):
+        sp._check_no_kv_cache(ulysses, module.train(), query, cached)
+    sp._check_no_kv_cache(ulysses, module.eval(), query, cached)
+    sp._check_no_kv_cache(ulysses, module.train(), query, whole)
+    with pytest.raises(ValueError, match="KV cache"):
+        sp._check_no_kv_cache(types.SimpleNamespace(disable_in_eval=False), module.eval(), query, cached)
+
+
+def test_a_shard_is_recognised_by_value_not_by_the_tensor_object(monkeypatch):
+    """The rule's signal (docs/sequence_parallel.md): a forward is the shard adapt yielded when its
+    input_ids and position_ids equal that batch's, so a copy (the Trainer moving the batch to a GPU
+    makes a new tensor) still counts; a forward with a KV cache, other tokens, other positions or no
+    position_ids is a rank's own rows; once adapt's pass ends, nothing is a shard."""
+    import torch
+
+    monkeypatch.setattr(sp, "_SHARD", {})
+    ids, positions = torch.arange(8).view(2, 4), torch.arange(4, 8).repeat(2, 1)
+    sp.arm_shard({"input_ids": ids, "position_ids": positions, "shift_labels": ids})
+    assert sp._is_shard(ids.clone(), positions.clone(), None)
+    assert not sp._is_shard(ids, positions, object())  # generate's cache
+    assert not sp._is_shard(ids + 1, positions, None)
+    assert not sp._is_shard(ids, positions - 4, None)  # the same tokens as a rank's own whole rows
+    assert not sp._is_shard(ids, None, None)
+    sp.disarm_shard()
+    assert not sp._is_shard(ids, positions, None)
+
+
+def test_trls_grpo_trainer_after_register_ulysses_trains_each_ranks_own_completions_as_one_process(runs):
+    """TRL's GRPOTrainer combined with register_ulysses (DDP, every rank its own prompt, 2 generations
+    each through transformers' generate, one SGD step): each rank's loss and the gradients the optimizer
+    steps with equal TRL's own compute_loss replayed on one process at the starting weights on the
+    completions, advantages and old log-probabilities that rank scored, averaged over the ranks.
+    Companion: the exchange forced on for the grad-enabled (loss) forward, as before the gate, moves
+    the gradients (the loss is ~0 either way: DAPO with old log-probs equal to the new, as the issue saw)."""
+    for result in runs["grpo_trainer"]:
+        assert "error" not in result, result.get("traceback")
+        plain, forced = result["plain"], result["forced_exchange"]
+        assert any(abs(a) > 0.1 for a in plain["advantages"]), plain  # a gradient to compare
+        assert plain["loss_rel"] == 0.0 and plain["grad_rel"] == 0.0, plain
+        assert forced["grad_rel"] > 0.1, forced

@@ -96,8 +96,13 @@ def test_the_cpu_check_tells_the_triton_path_from_the_fallback():
 def test_without_an_answer_on_autocast_trl_cannot_run_on_meta(monkeypatch):
     """Companion: TRL asks `torch.is_autocast_enabled("meta")`, which PyTorch refuses; the stand-in
     answers with the CPU's autocast, which stands for CUDA's in the simulated step."""
+    import contextlib
+
+    from hf_offload.tools.simulator import step as step_module
+
     original = torch.is_autocast_enabled
-    monkeypatch.setattr(trl_module, "_autocast_answers", lambda: [])
+    for module in (trl_module, step_module):
+        monkeypatch.setattr(module, "autocast_regions_on_meta", contextlib.nullcontext)
     with pytest.raises(RuntimeError, match="unknown device type for autocast"):
         simulated_and_measured("sft-mixed-precision")
     assert torch.is_autocast_enabled is original

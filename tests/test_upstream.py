@@ -28,7 +28,7 @@ import hf_offload
 from hf_offload.integrations import kernels as kernels_integration
 from hf_offload.integrations import sequence_parallel, upstream
 from hf_offload.integrations.upstream import ERROR, FALLBACK, HELD, INVENTORY, UpstreamChanged
-from hf_offload.tools.simulator import four_bit, stand_ins
+from hf_offload.tools.simulator import four_bit, linear_attention, stand_ins
 from hf_offload.tools.simulator import trl as trl_simulator
 
 
@@ -160,6 +160,17 @@ def ulysses_exchange(_monkeypatch):
     sequence_parallel.deepspeed_exchange(None)
 
 
+def counted_exchange(_monkeypatch):
+    """benchmarks/gpu_multi.py counts DeepSpeed's all-to-alls by replacing its private function for a block."""
+    from hf_offload.tools.benchmarks import gpu_multi
+
+    ulysses_sp = importlib.import_module(sequence_parallel.ULYSSES_MODULE)
+    original = getattr(ulysses_sp, "_dim_zero_all_to_all", None)
+    with gpu_multi.CountedExchange(2):
+        assert ulysses_sp._dim_zero_all_to_all is not original
+    assert ulysses_sp._dim_zero_all_to_all is original
+
+
 def ulysses_unregistered(monkeypatch):
     registered = {"implementation": "sdpa", "local": sequence_parallel._ABSENT}
     monkeypatch.setattr(sequence_parallel, "_REGISTERED", registered)
@@ -167,6 +178,11 @@ def ulysses_unregistered(monkeypatch):
 
 
 # The feature that uses each ERROR entry, run (cheaply) as users reach it.
+def linear_attention_stand_ins(_monkeypatch):
+    with linear_attention.linear_attention_as_on_cuda((9, 0)):
+        pass
+
+
 STOPS = {
     "trl.use_triton": head_stand_ins,
     "trl.trainer_use_triton": head_stand_ins,
@@ -195,7 +211,10 @@ STOPS = {
     "deepspeed.sequence_parallel_group": sequence_parallel_group,
     "deepspeed.release_groups": ulysses_unregistered,
     "deepspeed.all_to_all": ulysses_exchange,
-}
+    "deepspeed.all_to_all_counted": counted_exchange,
+    **{entry: linear_attention_stand_ins for module in linear_attention.MODULES
+       for entry in linear_attention.entries(module)},
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("entry_id", sorted(e for e, entry in INVENTORY.items() if entry.when_missing == ERROR))
@@ -346,6 +365,78 @@ def test_without_deepspeeds_ulysses_attention_the_heads_go_through_at_once_said_
         local["sdpa"].__module__ = sequence_parallel.ULYSSES_MODULE
         sequence_parallel.adopt_ulysses("sdpa")
     assert len(announced(caplog, "deepspeed.ulysses_attention")) == 1  # once
+
+
+def test_a_ulysses_attention_with_renamed_attributes_keeps_deepspeeds_forward(monkeypatch, caplog, fresh_announcements):
+    """deepspeed.ulysses_attention: a DeepSpeed release renaming what the chunked forward reads of its
+    UlyssesSPAttentionHF (world_size to sp_world_size, say) keeps DeepSpeed's own forward, said once,
+    instead of an AttributeError from the chunked forward; with the attributes there, it is adopted."""
+    pytest.importorskip("deepspeed")
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    ulysses_sp = importlib.import_module(sequence_parallel.ULYSSES_MODULE)
+
+    def registration(**attributes):
+        instance = ulysses_sp.UlyssesSPAttentionHF.__new__(ulysses_sp.UlyssesSPAttentionHF)
+        torch.nn.Module.__init__(instance)
+        for name, value in attributes.items():
+            setattr(instance, name, value)
+
+        def wrapper(*args, **kwargs):  # DeepSpeed's registered function, holding its instance
+            return instance(*args, **kwargs)
+
+        wrapper.__module__ = sequence_parallel.ULYSSES_MODULE
+        monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._local_mapping, "sdpa", wrapper)
+        return instance
+
+    with caplog.at_level(logging.WARNING, logger="hf_offload"):
+        renamed = registration(sp_world_size=2, process_group=None, attn=None)
+        sequence_parallel.adopt_ulysses("sdpa")
+        assert "forward" not in vars(renamed)
+        assert len(announced(caplog, "deepspeed.ulysses_attention")) == 1
+        as_checked = registration(world_size=2, process_group=None, attn=None)
+        sequence_parallel.adopt_ulysses("sdpa")
+    try:
+        assert "forward" in vars(as_checked)
+    finally:
+        sequence_parallel.release_ulysses()
+
+
+def test_every_place_reading_or_writing_attn_implementation_is_in_the_inventory():
+    """transformers.attn_implementation lists every file of the package that reads or writes a config's
+    `_attn_implementation`: a new place cannot go unlisted."""
+    package = Path(hf_offload.__file__).resolve().parent
+    found = {
+        str(path.relative_to(package))
+        for path in package.rglob("*.py")
+        if path.name != "upstream.py" and "_attn_implementation" in path.read_text()
+    }
+    used_by = INVENTORY["transformers.attn_implementation"].used_by
+    listed = {name.strip().removeprefix("hf_offload/") for name in used_by.split(",")}
+    assert found == listed
+
+
+def test_transformers_sdpa_repeats_keys_by_the_modules_num_key_value_groups():
+    """transformers.num_key_value_groups: transformers' sdpa function repeats keys and values by the
+    module's `num_key_value_groups`, so a call over a part of the heads sets it for the call
+    (`key_value_groups`) and puts it back; left at another value, the call fails."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from hf_offload.tiling.attention import key_value_groups
+
+    module = tiny_model("llama", num_attention_heads=4, num_key_value_heads=2).model.layers[0].self_attn
+    generator = torch.Generator().manual_seed(0)
+    query, key, value = (torch.randn(1, heads, 5, 8, generator=generator) for heads in (4, 2, 2))
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query, key.repeat_interleave(2, dim=1), value.repeat_interleave(2, dim=1), is_causal=True
+    ).transpose(1, 2)
+    module.num_key_value_groups = 1  # as left by a call over one rank's heads
+    with key_value_groups(module, 2):
+        output, _ = sdpa_attention_forward(module, query, key, value, None, is_causal=True)
+    assert module.num_key_value_groups == 1
+    torch.testing.assert_close(output, expected)
+    with pytest.raises(RuntimeError):
+        sdpa_attention_forward(module, query, key, value, None, is_causal=True)
 
 
 FALLBACK_TESTS = {

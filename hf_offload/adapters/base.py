@@ -188,6 +188,17 @@ def find_attention(layer: nn.Module) -> nn.Module | None:
     return next((children[name] for name in ATTENTION_NAMES if children.get(name) is not None), None)
 
 
+# Where Gated DeltaNet layers (Qwen3.5, Qwen3-Next and their kin) keep their linear attention.
+LINEAR_ATTENTION_NAMES = ("linear_attn",)
+
+
+def find_linear_attention(layer: nn.Module) -> nn.Module | None:
+    """The layer's linear-attention block, whose projections are per token (its convolution and
+    recurrence are not), or None."""
+    children = innermost(layer)._modules
+    return next((children[name] for name in LINEAR_ATTENTION_NAMES if children.get(name) is not None), None)
+
+
 def is_linear_like(module: nn.Module) -> bool:
     """A linear map applied to each token: nn.Linear, or an adapter around one (PEFT's LoRA and
     DoRA layers keep it as `base_layer`)."""

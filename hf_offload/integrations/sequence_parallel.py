@@ -12,10 +12,12 @@ What this module adds to DeepSpeed's pieces, for a custom loop:
 
 - `register_ulysses(model, sp_size)` checks the model and the process group first (attention
   heads divisible by `sp_size`, an attention implementation Ulysses can wrap, the world size),
-  then registers Ulysses. DeepSpeed replaces the attention function process-wide and keeps its SP
-  group in a module global; registering again (another model, another batch size) replaces the
-  earlier registration instead of wrapping Ulysses in Ulysses, and `unregister_ulysses()` puts
-  the attention function back.
+  then registers Ulysses, with only shards (what `adapt` yields, what `sequence_parallel_loss` is
+  given) going through its exchange: every other forward attends locally, each rank on its rows.
+  DeepSpeed replaces the attention function process-wide and keeps its SP group in a module
+  global; registering again (another model, another batch size) replaces the earlier
+  registration instead of wrapping Ulysses in Ulysses, and `unregister_ulysses()` puts the
+  attention function back.
 - `Ulysses.adapt(loader)` wraps DeepSpeed's `UlyssesSPDataLoaderAdapter`: a batch without
   `position_ids` gets the ones transformers would use on one process, a sequence not divisible
   by `sp_size` is padded at its end (labels ignored, so nothing changes), and batches Ulysses
@@ -53,6 +55,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .linear_attention import ULYSSES_MODULE, check_token_mixers, prepare_linear_attention, set_forward_rule, ulysses_of
+from .linear_attention import config_of as _config_of
 from .upstream import announce, present, resolve
 
 IGNORE_INDEX = -100
@@ -92,26 +96,6 @@ def _deepspeed():
     return deepspeed
 
 
-def _config_of(model: object):
-    """The transformers config of a model, through PEFT, DDP, FSDP and DeepSpeed engine wrappers
-    (or a config itself)."""
-    seen = 0
-    while seen < 8:
-        if hasattr(model, "get_text_config") and hasattr(model, "model_type"):  # a config
-            return model
-        config = getattr(model, "config", None)
-        if config is not None and hasattr(config, "get_text_config"):
-            return config
-        inner = getattr(model, "module", None)
-        if inner is None:
-            break
-        model, seen = inner, seen + 1
-    raise TypeError(
-        f"sequence parallelism needs a transformers model (or its config), got {type(model).__name__} "
-        "without a transformers config"
-    )
-
-
 def _valid_sizes(heads: int, kv_heads: int) -> list[int]:
     return [s for s in range(2, heads + 1) if heads % s == 0 and (kv_heads % s == 0 or s % kv_heads == 0)]
 
@@ -124,9 +108,15 @@ def check_sequence_parallel(model: object, sp_size: int, world_size: int | None 
     process group's, if any (and checks DeepSpeed's communication); a number checks the model
     against that world size alone. Returns the attention implementation Ulysses will wrap.
 
+    Token mixers other than softmax attention (linear attention, state-space and convolution
+    layers), which Ulysses would run on each rank's shard alone, are refused by name, except the
+    Gated DeltaNet of Qwen3.5 and Qwen3-Next: given a model, this makes those run exactly across
+    the SP group wherever Ulysses runs (`hf_offload.integrations.linear_attention`).
+
     Call it before `Trainer(...)` or `accelerate.prepare` with the same model and `sp_size`: they
     run the same checks later, some as bare assertions."""
     implementation = _check_model(model, sp_size)
+    prepare_linear_attention(model, sp_size)
     _check_not_context_parallel()
     if world_size is None:
         _check_deepspeed_communication()
@@ -250,6 +240,7 @@ def _check_model(model: object, sp_size: int) -> str:
             f"or 'flash_attention_2', or call model.set_attn_implementation('sdpa'); valid: "
             f"{', '.join(ULYSSES_ATTENTION)} or a hub kernel such as 'kernels-community/flash-attn2'"
         )
+    check_token_mixers(model, sp_size)
     return implementation
 
 
@@ -406,6 +397,7 @@ def sequence_parallel_loss(
         num_items_in_batch = (labels != IGNORE_INDEX).sum()
         torch.distributed.all_reduce(num_items_in_batch, group=group)
     inputs = {key: value for key, value in batch.items() if key not in ("labels", "shift_labels")}
+    declare_shard(inputs)  # the batch is this rank's shard, whatever model runs it
     output = model(**inputs, labels=labels, shift_labels=labels, num_items_in_batch=num_items_in_batch)
     loss = output.loss if hasattr(output, "loss") else output["loss"]
     if loss is None:
@@ -579,10 +571,13 @@ class _OnDevice:
 
     def __iter__(self) -> Iterator[dict]:
         for batch in self.adapter:
-            yield {
+            batch = {
                 key: value.to(self.device).contiguous() if torch.is_tensor(value) else value
                 for key, value in batch.items()
             }
+            arm_shard(batch)
+            yield batch
+        disarm_shard()  # the pass is over: no later forward is a shard of it
 
 
 def register_ulysses(model: nn.Module, sp_size: int, micro_batch_size: int = 1) -> Ulysses:
@@ -591,6 +586,11 @@ def register_ulysses(model: nn.Module, sp_size: int, micro_batch_size: int = 1) 
     every model using that implementation runs it across the SP group. Call it on every rank,
     after `torch.distributed.init_process_group` (or `deepspeed.init_distributed`), before wrapping
     the model. Registering again replaces the earlier registration.
+
+    Only a shard goes through Ulysses' exchange: a forward fed the batch `Ulysses.adapt` yielded
+    last on this rank, or the batch `sequence_parallel_loss` is given. Every other forward (generate,
+    evaluation, TRL's trainers: a rank's own rows, whole) attends locally with its own mask, as one
+    process does (docs/sequence_parallel.md, "What goes through the exchange").
 
     Ulysses calls transformers' attention function as it is at each call, not as it was at
     registration: sequence tiling enabled afterwards still tiles the heads inside it."""
@@ -645,6 +645,7 @@ def register_ulysses(model: nn.Module, sp_size: int, micro_batch_size: int = 1) 
         pad_token_id=_pad_token_id(config),
     )
     _REGISTERED.update(implementation=implementation, local=local, ulysses=ulysses)
+    _REGISTERED["hooks"] = _gate_exchange(model, implementation, local)
     return ulysses
 
 
@@ -652,7 +653,6 @@ def register_ulysses(model: nn.Module, sp_size: int, micro_batch_size: int = 1) 
 # calling attention is tiled over heads (`adopt_ulysses`), each with the registered function it
 # was found through.
 _ADOPTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-ULYSSES_MODULE = "deepspeed.runtime.sequence_parallel.ulysses_sp"
 
 
 def adopt_ulysses(implementation: str) -> None:
@@ -665,6 +665,7 @@ def adopt_ulysses(implementation: str) -> None:
     if ULYSSES_MODULE not in sys.modules:
         return
     wrapper = resolve("transformers.local_attention_functions").get(implementation)
+    wrapper = getattr(wrapper, "_hf_offload_exchange", wrapper)  # register_ulysses's gate: DeepSpeed's behind it
     if wrapper is None or getattr(wrapper, "_hf_offload_adopted", False):
         return
     wrapper._hf_offload_adopted = True  # looked at once per registration
@@ -673,25 +674,18 @@ def adopt_ulysses(implementation: str) -> None:
     if not present("deepspeed.ulysses_attention"):
         announce("deepspeed.ulysses_attention")
         return
-    instance = _ulysses_of(wrapper, resolve("deepspeed.ulysses_attention"))
-    if instance is None:  # DeepSpeed's wrapper, holding its attention some other way
+    instance = ulysses_of(wrapper, resolve("deepspeed.ulysses_attention"))
+    if instance is None or not all(hasattr(instance, name) for name in _ULYSSES_ATTRIBUTES):
+        # DeepSpeed's wrapper holding its attention some other way, or a release that renamed what the
+        # chunked forward reads: DeepSpeed's own forward runs.
         announce("deepspeed.ulysses_attention")
         return
     instance.forward = types.MethodType(_forward_in_head_chunks, instance)
     _ADOPTED[instance] = weakref.ref(wrapper)
 
 
-def _ulysses_of(wrapper, kind: type):
-    """The `UlyssesSPAttentionHF` DeepSpeed's registered wrapper calls (held in its closure:
-    DeepSpeed returns only the mpu), or None."""
-    for cell in getattr(wrapper, "__closure__", None) or ():
-        try:
-            value = cell.cell_contents
-        except ValueError:  # an empty cell
-            continue
-        if isinstance(value, kind):
-            return value
-    return None
+# What `_forward_in_head_chunks` reads of DeepSpeed's UlyssesSPAttentionHF instance.
+_ULYSSES_ATTRIBUTES = ("world_size", "process_group", "attn")
 
 
 def release_ulysses() -> None:
@@ -714,6 +708,7 @@ def _forward_in_head_chunks(self, module: nn.Module, query, key, value, attentio
     from hf_offload.tiling.ulysses_heads import attention_in_head_chunks, chunk_plan
 
     _check_not_context_parallel()  # one call of each would shard the shard
+    _check_no_kv_cache(self, module, query, key)
     plan = None
     if not args and attention_mask is None:
         plan = chunk_plan(module, query, key, self.world_size, kwargs)
@@ -732,6 +727,22 @@ def _forward_in_head_chunks(self, module: nn.Module, query, key, value, attentio
     return attention_in_head_chunks(
         module, query, key, value, None, plan=plan, exchange=deepspeed_exchange(self.process_group), core=self.attn,
         **kwargs,
+    )
+
+
+def _check_no_kv_cache(ulysses, module: nn.Module, query: torch.Tensor, key: torch.Tensor) -> None:
+    """A call whose keys are longer than its queries reads a KV cache (generate's decoding): it is a
+    rank's own rows, never a shard, and DeepSpeed's exchange would stop on its bare shape assertion.
+    Under accelerate's or the Trainer's registration (register_ulysses never lets it through), refuse
+    by name where DeepSpeed would run its exchange: in training mode, or without disable_in_eval."""
+    if key.shape[-2] == query.shape[-2] or (not module.training and getattr(ulysses, "disable_in_eval", False)):
+        return
+    raise ValueError(
+        f"a forward with a KV cache ({query.shape[-2]} new tokens against {key.shape[-2]} keys: generate's "
+        "decoding) reached DeepSpeed's Ulysses exchange, which would treat the ranks' different rows as one sequence "
+        "split across them. With accelerate's or the Trainer's Ulysses (ParallelismConfig(sp_backend='deepspeed')), "
+        "call model.eval() before generate (they register Ulysses with disable_in_eval=True); with register_ulysses, "
+        "generate attends locally on its own"
     )
 
 
@@ -807,8 +818,185 @@ def unregister_ulysses() -> None:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     _restore_local(ALL_ATTENTION_FUNCTIONS, _REGISTERED["implementation"], _REGISTERED["local"])
+    for handle in _REGISTERED.get("hooks", ()):
+        handle.remove()
+    disarm_shard()
+    set_forward_rule(None)
     resolve("deepspeed.release_groups")()
     _REGISTERED.clear()
+
+
+# --- Which forwards run through the exchange (register_ulysses) ----------------------------------
+# Ulysses' exchange treats the SP ranks' inputs as the pieces of one sequence. Under register_ulysses
+# it runs only for a forward fed the batch `Ulysses.adapt` yielded last on this rank (its input_ids
+# and position_ids, by value: moved to another device or copied, still the batch), without a KV
+# cache, or the batch `sequence_parallel_loss` is given; every other forward (generate, evaluation
+# on a rank's own rows, TRL's trainers, which give each rank rows of its own) attends locally, with
+# its own attention mask, as one process would on those rows. The decision is made once per forward,
+# at the model's backbone, and kept with the forward's position_ids tensor, so that a checkpoint's
+# recompute in backward makes the forward's decision again.
+_SHARD: dict = {}  # "input_ids", "position_ids": the batch adapt yielded last on this rank
+# The decision of the forward whose backbone was entered last, until its first attention call:
+# (decision, the position_ids it was given or None).
+_PENDING: list = []
+# position_ids' storage -> (a weak reference to the tensor, the decision of the forward it fed)
+_DECIDED: dict = {}
+
+
+def arm_shard(batch: dict) -> None:
+    """`batch` (one `Ulysses.adapt` yielded) is this rank's shard of a sequence split across the group."""
+    _SHARD.clear()
+    _SHARD.update(input_ids=batch.get("input_ids"), position_ids=batch.get("position_ids"))
+
+
+def disarm_shard() -> None:
+    _SHARD.clear()
+    _PENDING.clear()
+
+
+def declare_shard(inputs: dict) -> None:
+    """The forward about to run on `inputs` is a shard (sequence_parallel_loss's contract), whatever
+    model runs it; arms it for the model's backbone too."""
+    if not _REGISTERED:
+        return
+    arm_shard(inputs)
+    _PENDING[:] = [(True, inputs.get("position_ids"))]
+
+
+def _is_shard(input_ids, position_ids, cache) -> bool:
+    """Whether a forward given these inputs is the shard armed on this rank."""
+    armed_ids, armed_positions = _SHARD.get("input_ids"), _SHARD.get("position_ids")
+    if cache is not None or not torch.is_tensor(input_ids) or not torch.is_tensor(position_ids):
+        return False
+    if not torch.is_tensor(armed_ids) or not torch.is_tensor(armed_positions):
+        return False
+    if input_ids.shape != armed_ids.shape or position_ids.shape != armed_positions.shape:
+        return False
+    return bool(
+        torch.equal(input_ids, armed_ids.to(input_ids.device))
+        and torch.equal(position_ids, armed_positions.to(position_ids.device))
+    )
+
+
+def _backbone_of(model: object) -> nn.Module | None:
+    """The module every forward of `model` enters with its input_ids (the decoder stack: generate, the
+    Trainer and TRL's fused head, which calls it directly), through DDP, engines and PEFT."""
+    seen = 0
+    while isinstance(getattr(model, "module", None), nn.Module) and seen < 8:
+        model, seen = model.module, seen + 1
+    if callable(getattr(type(model), "get_base_model", None)):  # PEFT
+        model = model.get_base_model()
+    get_decoder = getattr(model, "get_decoder", None)
+    if callable(get_decoder):
+        with contextlib.suppress(Exception):
+            decoder = get_decoder()
+            if isinstance(decoder, nn.Module):
+                return decoder
+    return model if isinstance(model, nn.Module) else None
+
+
+def _mark_forward(signature, module, args, kwargs) -> None:
+    """The backbone's forward pre-hook: decide whether this forward is the armed shard."""
+    try:
+        bound = signature.bind_partial(*args, **kwargs).arguments
+    except TypeError:
+        bound = kwargs
+    positions = bound.get("position_ids")
+    if _PENDING and _PENDING[0][0] and _PENDING[0][1] is positions:
+        return  # sequence_parallel_loss declared this forward a shard
+    decision = _is_shard(bound.get("input_ids"), positions, bound.get("past_key_values"))
+    _PENDING[:] = [(decision, positions if torch.is_tensor(positions) else None)]
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple:
+    return (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+
+
+def _decided(positions) -> bool | None:
+    if not torch.is_tensor(positions):
+        return None
+    entry = _DECIDED.get(_storage_key(positions))
+    if entry is None or entry[0]() is None:
+        return None
+    return entry[1]
+
+
+def _decide(positions, decision: bool) -> None:
+    if not torch.is_tensor(positions):
+        return
+    for key in [key for key, (ref, _) in _DECIDED.items() if ref() is None]:
+        del _DECIDED[key]
+    _DECIDED[_storage_key(positions)] = (weakref.ref(positions), decision)
+
+
+def through_exchange(query: torch.Tensor, key: torch.Tensor, kwargs: dict) -> bool:
+    """Whether this attention call runs through Ulysses' exchange: the forward's decision, taken at
+    its first attention call from what its backbone was given, and found again by its position_ids
+    for the next layers and for a checkpoint's recompute."""
+    positions = kwargs.get("position_ids")
+    decision = _forward_decision(positions, take=True)
+    if decision and (not torch.is_tensor(positions) or key.shape[-2] != query.shape[-2]):
+        raise ValueError(
+            "Ulysses: a forward fed the shard Ulysses.adapt yielded reached attention without its position_ids, or "
+            f"with keys of another length than its queries ({key.shape[-2]} against {query.shape[-2]}: a KV cache): "
+            "a shard runs whole, with the position_ids adapt gives"
+        )
+    return decision
+
+
+def _forward_decision(positions, take: bool = False) -> bool:
+    """Whether the forward that fed these position_ids runs through the exchange: a new forward's
+    decision (its backbone's, pending), kept with its position_ids; a recompute's, found by them.
+    `take`: the pending decision is used up (the first attention call); without it (the Gated
+    DeltaNets of a hybrid, which run before its first softmax attention: `linear_attention.
+    set_forward_rule`) the attention calls still find it."""
+    pending = _PENDING[0] if _PENDING else None
+    known = _decided(positions)
+    if pending is not None and (pending[1] is positions or known is None):  # a new forward, not a recompute
+        if take:
+            _PENDING.clear()
+        _decide(positions, pending[0])
+        return pending[0]
+    return bool(known)
+
+
+def _gate_exchange(model: object, implementation: str, local) -> list:
+    """Put the gate in front of DeepSpeed's registered function: a shard goes through the exchange,
+    every other forward to the attention Ulysses wraps, with its mask (DeepSpeed's function drops it)
+    and the module's grouped-query ratio as the call's own heads give it (DeepSpeed's forward sets
+    `num_key_value_groups` for the exchanged heads where key/value heads are repeated). Returns the
+    hook handles to remove."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    from hf_offload.tiling.attention import key_value_groups
+
+    exchange = _local_mapping(ALL_ATTENTION_FUNCTIONS).get(implementation)
+    core = _attention_as_registered(implementation, local)
+
+    def attention(module, query, key, value, attention_mask, *args, **kwargs):
+        if through_exchange(query, key, kwargs):
+            return exchange(module, query, key, value, attention_mask, *args, **kwargs)
+        with key_value_groups(module, max(query.shape[1] // max(key.shape[1], 1), 1)):
+            return core(module, query, key, value, attention_mask, *args, **kwargs)
+
+    attention._hf_offload_exchange = exchange
+    attention.__name__ = f"{implementation}_ulysses_gate"
+    ALL_ATTENTION_FUNCTIONS[implementation] = attention
+    disarm_shard()
+    _DECIDED.clear()
+    backbone = _backbone_of(model)
+    if backbone is None:
+        return []
+    import functools
+    import inspect
+
+    try:
+        signature = inspect.signature(backbone.forward)
+    except (TypeError, ValueError):
+        signature = inspect.Signature()
+    hook = functools.partial(_mark_forward, signature)
+    set_forward_rule(_forward_decision)
+    return [backbone.register_forward_pre_hook(hook, with_kwargs=True)]
 
 
 __all__ = [

@@ -29,18 +29,19 @@ from importlib import metadata
 
 logger = logging.getLogger("hf_offload")
 
-# The versions every entry was checked on unless it says otherwise (2026-12-04): the newest releases
+# The versions every entry was checked on unless it says otherwise (2026-12-04; peft 0.22.0 and
+# huggingface-hub 2.5.0 on 2026-12-07): the newest releases
 # (.ci/run's install) and the lowest bounds pyproject.toml allows (.ci/oldest).
 CHECKED = {
     "transformers": "5.24.0, 5.25.0",
     "trl": "1.16.0",
-    "peft": "0.21.2",
+    "peft": "0.21.2, 0.22.0",
     "accelerate": "1.15.0, 1.16.0",
     "deepspeed": "0.19.8",
     "bitsandbytes": "0.50.0, 0.50.2",
     "kernels": "0.19.1",
     "liger-kernel": "0.8.5",
-    "huggingface-hub": "2.4.0",
+    "huggingface-hub": "2.4.0, 2.5.0",
 }
 
 ERROR = "error"  # missing: UpstreamChanged, naming library, version and feature
@@ -65,7 +66,14 @@ class Reliance:
 
 
 _SIM = "hf_offload/tools/simulator/"
+# Every file that reads or writes a config's `_attn_implementation` (tests/test_upstream.py holds the list
+# to the source).
+ATTN_IMPLEMENTATION_USERS = (
+    "hf_offload/integrations/sequence_parallel.py, tiling/__init__.py, tiling/attention.py, tools/determinism.py, "
+    "tools/simulator/step.py, tools/benchmarks/gpu_multi.py, tools/benchmarks/cpu_tiling.py"
+)
 _TRL_HEAD = "estimate --trainer (TRL's fused LM head on the meta device, as on a CUDA device)"
+_LINEAR_ATTENTION = "simulated steps of Qwen3.5 and Qwen3-Next (their linear attention's GPU kernels on meta)"
 _MASKS = "every simulated step (masks decided on meta as on a GPU with unpadded inputs)"
 _FOUR_BIT = "estimate --load-in-4bit (a 4-bit base quantized on the meta device)"
 _GENERATION = "estimate --trainer grpo (transformers' generate on the meta device, as TRL calls it)"
@@ -172,7 +180,7 @@ INVENTORY: dict[str, Reliance] = {
         "unregister_ulysses (Ulysses' attention taken off again)", ERROR),
     "transformers.attn_implementation": Reliance(
         "transformers", "transformers.configuration_utils:PreTrainedConfig._attn_implementation", "private name",
-        "hf_offload/integrations/sequence_parallel.py, tiling/__init__.py",
+        ATTN_IMPLEMENTATION_USERS,
         "sequence parallelism's check of the attention implementation; attention tiled over heads", ERROR),
     "transformers.loss_function": Reliance(
         "transformers", "transformers.modeling_utils:PreTrainedModel.loss_function (it returns _loss_function)",
@@ -213,6 +221,11 @@ INVENTORY: dict[str, Reliance] = {
         "peft", "peft.tuners.lora.layer:LoraLayer.base_layer", "structure", "hf_offload/adapters/base.py",
         "LoRA'd attention projections tiled; the late prefetch point", HELD,
         "tests/test_tiling.py::test_any_order_of_tiling_offloading_and_peft"),
+    "peft.autocast_on_the_parameters_device": Reliance(
+        "peft", "peft.tuners.lora.layer:_LoraFactorsProxy.forward (torch.autocast(device_type=W.device.type))",
+        "behaviour", _SIM + "stand_ins.py (autocast_regions_on_meta)",
+        "estimate of a mixture of experts with LoRA on its experts (PEFT >= 0.22: \"meta\" has no autocast)", HELD,
+        "tests/test_cli_arguments.py::test_a_mixture_of_experts_with_lora_is_simulated", "0.22.0"),
     "accelerate.shared_state": Reliance(
         "accelerate", "accelerate.state:PartialState._shared_state", "private name",
         "hf_offload/integrations/sequence_parallel.py",
@@ -235,7 +248,19 @@ INVENTORY: dict[str, Reliance] = {
         "hf_offload/integrations/sequence_parallel.py",
         "query heads a chunk at a time through Ulysses' exchange: its forward replaced on the instance the "
         "registered function holds in its closure (with world_size, process_group, attn)", FALLBACK,
-        "each rank's query heads go through the exchange at once, as DeepSpeed runs them, said once"),
+        "each rank's query heads go through the exchange at once, as DeepSpeed runs them, said once (also where "
+        "the instance lacks world_size, process_group or attn)"),
+    "deepspeed.all_to_all_counted": Reliance(
+        "deepspeed", "deepspeed.runtime.sequence_parallel.ulysses_sp:_dim_zero_all_to_all", "replaced",
+        "hf_offload/tools/benchmarks/gpu_multi.py", "the multi-GPU benchmark's count of Ulysses' all-to-alls "
+        "(calls and bytes sent)", ERROR),
+    "transformers.num_key_value_groups": Reliance(
+        "transformers", "attention functions read module.num_key_value_groups to repeat keys and values (sdpa)",
+        "behaviour", "hf_offload/tiling/attention.py (key_value_groups), integrations/sequence_parallel.py, "
+        + _SIM + "stand_ins.py", "attention over a part of the heads (head tiling, Ulysses' chunks, a rank's "
+        "own rows after DeepSpeed set the module's ratio for its exchanged heads): the ratio set for the call "
+        "and put back", HELD,
+        "tests/test_upstream.py::test_transformers_sdpa_repeats_keys_by_the_modules_num_key_value_groups"),
     "deepspeed.zero3_gradients": Reliance(
         "deepspeed", "ZeRO-3 parameters carry ds_id and reduce once ds_grad_is_ready", "behaviour",
         "hf_offload/tiling/gradients.py", "tiled modules under ZeRO-3", HELD,
@@ -244,6 +269,20 @@ INVENTORY: dict[str, Reliance] = {
         "bitsandbytes", "a 4-bit layer in eval mode without grad repacks its weight in place (CPU, AVX512-BF16)",
         "behaviour", "hf_offload/tiling/replay.py", "tiling a 4-bit base on the CPU", HELD,
         "tests/test_qlora.py::test_bitsandbytes_repacks_for_inference_on_an_eval_forward_without_grad"),
+    "transformers.gated_deltanet_structure": Reliance(
+        "transformers", "Qwen3.5's and Qwen3-Next's GatedDeltaNet: in_proj_qkvz/in_proj_qkv, in_proj_ba/in_proj_a/b, "
+        "conv1d, A_log, dt_bias, norm, out_proj, and its module's apply_mask_to_padding_states, causal_conv1d_fn, "
+        "torch_chunk_gated_delta_rule", "structure", "hf_offload/integrations/linear_attention.py",
+        "Gated DeltaNet across the SP ranks (its forward, re-run a rank's heads at a time)", HELD,
+        "tests/test_linear_attention.py::test_hybrids_under_ulysses_match_one_process", "5.24.0, 5.25.0"),
+    **{
+        f"transformers.{module}.{function}": Reliance(
+            "transformers", f"transformers.models.{module}.modeling_{module}:{name}", "replaced",
+            _SIM + "linear_attention.py", _LINEAR_ATTENTION, ERROR)
+        for module in ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+        for function, name in (("chunk_gated_delta_rule", "torch_chunk_gated_delta_rule"),
+                               ("causal_conv1d_fn", "causal_conv1d_fn"))
+    },
 }  # fmt: skip
 
 

@@ -25,6 +25,7 @@ from ..adapters import (
     find_attention,
     find_final_norm,
     find_layer_stack,
+    find_linear_attention,
     find_norms,
     is_linear_like,
     resolve_layers,
@@ -32,6 +33,7 @@ from ..adapters import (
     unwrap_model,
 )
 from ..config import TilingOptions, reject_positional
+from ..integrations import sequence_parallel
 from ..integrations.kernels import check_kernel_funcs
 from ..integrations.liger import fused_linear_cross_entropy_in_use
 from ..integrations.transformers_outputs import check_output_collector
@@ -41,6 +43,14 @@ from . import loss as loss_tiling
 from . import per_token
 
 logger = logging.getLogger("hf_offload")
+
+# DeepSpeed's Ulysses runs a chunk of query heads at a time through its exchange where attention is
+# tiled over heads (`integrations.sequence_parallel.adopt_ulysses`, on tiling's own head chunks),
+# under any registration: hf_offload's `register_ulysses`, or accelerate's and the Trainer's, which
+# never import that module. Attention tiling knows no Ulysses: plugged in here, through its seam.
+attention_tiling.register_outer_attention(
+    "deepspeed_ulysses", before_block=sequence_parallel.adopt_ulysses, released=sequence_parallel.release_ulysses
+)
 
 TILED_MODULES_ATTR = "_hf_offload_tiled_modules"
 
@@ -81,6 +91,12 @@ def enable_sequence_tiling(model: nn.Module, *positional: object, **options: obj
     for layer in layers:
         if parsed.norms:
             modules.update((id(norm), norm) for norm in find_norms(layer))
+        # A linear-attention block (Gated DeltaNet): its projections run a slice at a time like
+        # attention's; its causal convolution, its recurrence and its gated norm (rows of tokens x
+        # heads) run whole.
+        linear = find_linear_attention(layer)
+        if linear is not None and parsed.projections and any(is_linear_like(child) for child in linear.children()):
+            attentions.append(linear)
         attention = find_attention(layer)
         if attention is None:
             continue

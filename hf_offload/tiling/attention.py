@@ -20,9 +20,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import sys
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -80,10 +79,9 @@ def _say_once(tiling: HeadTiling, module: nn.Module, reason: str) -> None:
 
 def _before_block(tiling: HeadTiling, block: nn.Module, args, kwargs) -> None:
     block._hf_offload_calls_before = tiling.calls
-    if _ULYSSES in sys.modules:  # DeepSpeed's Ulysses may be registered: chunk its exchange by heads
-        from ..integrations.sequence_parallel import adopt_ulysses
-
-        adopt_ulysses(getattr(getattr(block, "config", None), "_attn_implementation", None))
+    implementation = getattr(getattr(block, "config", None), "_attn_implementation", None)
+    for outer in list(_outer.values()):
+        outer.before_block(implementation)
 
 
 def _after_block(tiling: HeadTiling, block: nn.Module, args, kwargs, output) -> None:
@@ -109,9 +107,37 @@ def _why_not_reached(block: nn.Module) -> str:
     return "it computes attention itself, not through transformers' attention functions"
 
 
-# DeepSpeed's Ulysses, whose exchange runs a chunk of query heads at a time where attention is tiled
-# over heads (`integrations.sequence_parallel.adopt_ulysses`); looked for only once it is imported.
-_ULYSSES = "deepspeed.runtime.sequence_parallel.ulysses_sp"
+@dataclass(frozen=True)
+class OuterAttention:
+    """What wraps transformers' attention functions from outside and takes part in head tiling
+    (sequence parallelism's exchange, which runs a chunk of query heads at a time where attention
+    is tiled over heads): `before_block(implementation)` runs before each call of a tiled attention
+    block, with the block's attention implementation (None if it has no config); `released()` once
+    no model of the process tiles heads any more."""
+
+    before_block: Callable[[str | None], None]
+    released: Callable[[], None]
+
+
+# The seam through which tiling's door (`hf_offload.tiling`) plugs such wrappers in, by name; this
+# module knows none of them.
+_outer: dict[str, OuterAttention] = {}
+
+
+def register_outer_attention(
+    name: str, before_block: Callable[[str | None], None], released: Callable[[], None]
+) -> None:
+    """Call `before_block(implementation)` before each call of a head-tiled attention block, and
+    `released()` when head tiling is off in every model of the process. Registering `name` again
+    replaces what it registered (a module reloaded registers again)."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"register_outer_attention: name must be a non-empty str, got {name!r}")
+    for what, function in (("before_block", before_block), ("released", released)):
+        if not callable(function):
+            raise TypeError(f"register_outer_attention({name!r}): {what} must be callable, got {function!r}")
+    _outer[name] = OuterAttention(before_block, released)
+
+
 _originals: dict[str, object] = {}  # the registered functions our wrappers took the place of
 # Every block's tiling still installed, in any model of the process (copies included): the
 # registry stays wrapped while one is.
@@ -165,10 +191,8 @@ def uninstall(attention: nn.Module) -> None:
         tiling.handles.clear()
     if not _live:
         _unwrap_registry()
-        if _ULYSSES in sys.modules:
-            from ..integrations.sequence_parallel import release_ulysses
-
-            release_ulysses()
+        for outer in list(_outer.values()):
+            outer.released()
 
 
 def is_tiled(attention: nn.Module) -> bool:

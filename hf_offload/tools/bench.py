@@ -151,7 +151,9 @@ def _configure(model, mode: str, device: torch.device, min_offload_bytes: int | 
     `memory_limit` (the byte accounting's limit) as the budget, and are unavailable without it."""
     parsed = parse_mode(mode)
     base_mode = parsed.base
-    if base_mode in NEEDS_ACCELERATOR and torch.accelerator.current_accelerator() is None:
+    # check_available: a CUDA build of torch on a machine without a GPU names CUDA as its accelerator
+    # (torch 2.14.1's pip wheel here) though it has none to run on.
+    if base_mode in NEEDS_ACCELERATOR and torch.accelerator.current_accelerator(check_available=True) is None:
         why = NEEDS_ACCELERATOR[base_mode]
         raise ModeUnavailable(f"{base_mode} needs an accelerator, and there is none here: {why}")
     base = unwrap_model(model)

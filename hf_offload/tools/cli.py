@@ -7,6 +7,7 @@ import argparse
 import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from hf_offload import __version__
 
@@ -241,9 +242,20 @@ def _add_estimate_command(commands: argparse._SubParsersAction) -> None:
         type=_positive_float("host-memory"),
         default=None,
         metavar="GIB",
-        help="host RAM in GiB: hf_offload may use 80%% of it, and tensors over that stay on the device "
-        "(default: unlimited; the output says what is needed)",
+        help="host RAM per GPU (per rank) in GiB: ZeRO-3's share of the weights and optimizer (--offload-params) "
+        "comes out of it, hf_offload may use 80%% of the rest, and tensors over that stay on the device (default: "
+        "with --device, the host memory per GPU of the machine that GPU comes in, --list-devices; without, unlimited)",
     )
+    estimate.add_argument(
+        "--unlimited-host", action="store_true",
+        help="no limit on host memory (the output says how much the answer needs per node)",
+    )  # fmt: skip
+    estimate.add_argument(
+        "--reserve", nargs="+", default=None, metavar="NAME=GIB",
+        help="device memory the longest sequence leaves free, by item: reduce_bucket and prefetch (ZeRO-3), nccl "
+        "(with --sp), allocator, extra (added); default: each item from DeepSpeed's, torch's and NCCL's defaults, "
+        "shown in the output",
+    )  # fmt: skip
     estimate.add_argument(
         "--disk-memory",
         type=_positive_float("disk-memory"),
@@ -404,6 +416,22 @@ def _add_trl_arguments(estimate: argparse.ArgumentParser) -> None:
         "--vllm-enable-sleep-mode", action="store_true",
         help="grpo, colocate: vLLM sleeps (level 2: weights and KV cache freed) while the step runs",
     )  # fmt: skip
+    group.add_argument(
+        "--vllm-max-model-length", type=_int_at_least(1, "vllm-max-model-length"), default=None, metavar="N",
+        help="grpo: vLLM's context, prompt and completion (GRPOConfig.vllm_max_model_length, TRL passes it as "
+        "LLM(max_model_len=N); default: vLLM derives it from the model's positions and refuses a longer one)",
+    )  # fmt: skip
+    group.add_argument(
+        "--vllm-version", type=_vllm_version, default=None, metavar="X.Y[.Z]",
+        help="grpo: the vLLM release assumed, within TRL 1.16's range (0.22.0-0.31.0; default the newest). A 4-bit "
+        "policy with colocated vLLM needs a release whose loader takes quantization=\"bitsandbytes\"",
+    )  # fmt: skip
+    group.add_argument(
+        "--rope-scaling", type=_rope_scaling, default=None, metavar="TYPE:FACTOR[:ORIGINAL]",
+        help="scale the model's RoPE positions as its config.json's rope_scaling would (yarn, linear or dynamic; "
+        "e.g. yarn:4:32768, as Qwen documents for Qwen3: 131,072 positions; ORIGINAL defaults to the config's "
+        "max_position_embeddings). GRPO's generation stops at the model's positions",
+    )  # fmt: skip
 
 
 def _trl_step(args: argparse.Namespace):
@@ -425,6 +453,8 @@ def _trl_step(args: argparse.Namespace):
         vllm_mode=args.vllm_mode or "colocate",
         vllm_gpu_memory_utilization=0.3 if utilization is None else utilization,
         vllm_enable_sleep_mode=args.vllm_enable_sleep_mode,
+        vllm_max_model_length=args.vllm_max_model_length,
+        vllm_version=args.vllm_version,
     )
     return TrlStep(
         args.trainer,
@@ -465,17 +495,27 @@ def _check_trl_arguments(args: argparse.Namespace, parser: argparse.ArgumentPars
         ("--vllm-mode", args.vllm_mode),
         ("--vllm-gpu-memory-utilization", args.vllm_gpu_memory_utilization),
         ("--vllm-enable-sleep-mode", args.vllm_enable_sleep_mode or None),
+        ("--vllm-max-model-length", args.vllm_max_model_length),
+        ("--vllm-version", args.vllm_version),
     )
     for option, value in vllm_options:
         if value is not None and not args.use_vllm:
             parser.error(f"argument {option}: configures vLLM: give --use-vllm too (TRL ignores it without use_vllm)")
-        if value is not None and option != "--vllm-mode" and args.vllm_mode == "server":
+        if value is not None and option not in ("--vllm-mode", "--vllm-version", "--vllm-max-model-length") \
+                and args.vllm_mode == "server":
             parser.error(f"argument {option}: is for --vllm-mode colocate (the server sizes its own GPUs)")
     if args.vllm_gpu_memory_utilization is not None and args.vllm_gpu_memory_utilization > 1:
         parser.error(
             f"argument --vllm-gpu-memory-utilization: a fraction of the GPU's memory in (0, 1], got "
             f"{args.vllm_gpu_memory_utilization:g}"
         )
+    if args.use_vllm and args.load_in_4bit and (args.vllm_mode or "colocate") == "colocate":
+        from .generation_limits import DEFAULT_VLLM_VERSION, refuse_four_bit_vllm
+
+        try:
+            refuse_four_bit_vllm(args.vllm_version or DEFAULT_VLLM_VERSION)
+        except ValueError as error:
+            parser.error(f"argument --use-vllm: {error}")
     if trainer is None:
         return
     if args.liger or any(parse_mode(mode).liger for mode in modes):
@@ -584,11 +624,14 @@ def _check_estimate_arguments(args: argparse.Namespace, parser: argparse.Argumen
 
     if args.efficiency is not None and args.efficiency > 1:
         parser.error(f"argument --efficiency: must be a fraction in (0, 1], got {args.efficiency}")
-    if args.disk_memory is not None and args.host_memory is None:
+    if args.unlimited_host and args.host_memory is not None:
+        parser.error(f"argument --unlimited-host: not with --host-memory {args.host_memory:g} (choose one)")
+    if args.disk_memory is not None and (args.unlimited_host or (args.host_memory is None and args.device is None)):
         parser.error(
-            f"argument --disk-memory: {args.disk_memory:g} GiB of disk needs --host-memory GIB (with unlimited host "
-            "memory nothing goes to disk)"
+            f"argument --disk-memory: {args.disk_memory:g} GiB of disk needs --host-memory GIB or --device's machine "
+            "(with unlimited host memory nothing goes to disk)"
         )
+    _check_reserve_arguments(args, parser)
     if args.disk_gbps is not None and args.disk_memory is None:
         parser.error(f"argument --disk-gbps: {args.disk_gbps:g} GB/s needs --disk-memory GIB (no disk tier without it)")
     if args.sp > 1 and args.padded:
@@ -624,6 +667,28 @@ def _check_estimate_arguments(args: argparse.Namespace, parser: argparse.Argumen
     return modes
 
 
+def _check_reserve_arguments(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """`--reserve NAME=GIB ...`: known names, numbers, and only items the run has."""
+    if args.reserve is None:
+        return
+    from .reserve import parse_reserve
+
+    try:
+        args.reserve_bytes = parse_reserve(args.reserve)
+    except ValueError as error:
+        parser.error(f"argument --reserve: {error}")
+    if args.device is None and args.device_memory is None:
+        parser.error("argument --reserve: the reserve is what the longest sequence leaves free: give --device or "
+                     "--device-memory")  # fmt: skip
+    needs = {"reduce_bucket": (args.offload_params, "--offload-params (ZeRO-3)"),
+             "prefetch": (args.offload_params, "--offload-params (ZeRO-3)"),
+             "nccl": (args.sp > 1, "more than one rank (--sp N)")}  # fmt: skip
+    for name in args.reserve_bytes:
+        present, what = needs.get(name, (True, ""))
+        if not present:
+            parser.error(f"argument --reserve: this run has no {name} (it comes only with {what})")
+
+
 def _run_estimate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from .devices import format_devices
 
@@ -656,10 +721,21 @@ def _run_estimate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         config, name = preset_config(args.preset), f"{args.preset} preset"
     else:
         name = str(args.model)
+    if args.rope_scaling is not None:
+        from .generation_limits import with_rope_scaling
+
+        try:
+            config = with_rope_scaling(config, args.rope_scaling)
+        except ValueError as error:
+            parser.error(f"argument {error}")
     device = DEVICES[args.device or "h200"]
     memory_gib = args.device_memory or (device.memory_gib if args.device else None)
     memory = None if memory_gib is None else int(memory_gib * 2**30)
     targets = args.lora_targets if args.lora_targets == "all-linear" else tuple(args.lora_targets.split(","))
+    # The host: given, the named device's machine's per GPU, or unlimited (asked for, or no machine named).
+    host_gib, host_from = args.host_memory, "given" if args.host_memory is not None else None
+    if host_gib is None and args.device is not None and not args.unlimited_host:
+        host_gib, host_from = device.host_memory_gib, "device"
     training = Training(
         dtype=getattr(torch, DTYPES[args.dtype]),
         lora_rank=args.lora_rank,
@@ -669,7 +745,7 @@ def _run_estimate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         batch_size=args.batch_size,
         keep_last_layers=args.keep_last_layers,
         prefetch_layers=args.prefetch_layers,
-        host_memory_bytes=None if args.host_memory is None else int(args.host_memory * 2**30),
+        host_memory_bytes=None if host_gib is None else int(host_gib * 2**30),
         disk_memory_bytes=None if args.disk_memory is None else int(args.disk_memory * 2**30),
         device=device,
         device_memory_bytes=memory,
@@ -698,6 +774,8 @@ def _run_estimate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         link_gbps=args.link_gbps,
         efficiency=args.efficiency,
         disk_gbps=args.disk_gbps,
+        reserve=getattr(args, "reserve_bytes", None),
+        host_from=host_from,
     )
     # transformers and the engine speak up about what the simulation does on purpose (checkpointing
     # turns the cache off, the CPU has no accelerator); the estimate reports what matters.
@@ -710,15 +788,24 @@ def _run_estimate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     try:
         estimate = run_estimate(request, echo=progress)
     except UpstreamChanged as error:  # another library's release moved what the simulator stands in for
-        parser.error(f"cannot simulate {name}: {error}")
+        _failed(parser, f"cannot simulate {name}: {error}")
     except (ValueError, TypeError, KeyError) as error:
         parser.error(f"cannot simulate {name}: {error}")
     except RuntimeError as error:  # the model's own code refused the step (a shape it cannot take, say)
         first = str(error).strip().splitlines()[0] if str(error).strip() else ""
         failed = f"{type(error).__name__}: {first}"
-        parser.error(f"cannot simulate {name} at {seq_len} tokens: the model failed: {failed}")
+        _failed(parser, f"cannot simulate {name} at {seq_len} tokens: the model failed: {failed}")
     print(format_json(estimate) if args.json else format_estimate(estimate, device_given=args.device is not None))
     return 0
+
+
+def _failed(parser: argparse.ArgumentParser, message: str) -> NoReturn:
+    """A failure that is not the arguments': said without the usage text (argparse's `error` prints
+    it, as if the arguments were wrong), exit status 1."""
+    import sys
+
+    print(f"{parser.prog}: error: {message}", file=sys.stderr)
+    raise SystemExit(1)
 
 
 def _add_bench_command(commands: argparse._SubParsersAction) -> None:
@@ -908,6 +995,24 @@ def _run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         args.seq_lens = args.seq_lens or [256, 512, 1024, 2048]
         args.steps = args.steps or 3
     return run_bench(args)
+
+
+def _vllm_version(text: str) -> str:
+    from .generation_limits import check_vllm_version
+
+    try:
+        return check_vllm_version(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _rope_scaling(text: str) -> dict:
+    from .generation_limits import parse_rope_scaling
+
+    try:
+        return parse_rope_scaling(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _positive_float(name: str) -> Callable[[str], float]:

@@ -43,6 +43,10 @@ class DecodeRates:
     memory_efficiency: float
     memory_efficiency_high: float
     host_seconds_per_op: float
+    # The slow end's efficiency reading one row's KV cache when one long row decodes alone: fitted
+    # to vLLM 0.4.2's 30 ms a token at 200K context (Llama-3-8B, one H800; lmdeploy#1608), the
+    # weights at `memory_efficiency`. None: the cache at `memory_efficiency` too.
+    kv_efficiency_batch_1: float | None = None
 
 
 def decode_points() -> list[dict]:
@@ -150,7 +154,23 @@ def rates() -> DecodeRates:
     points = decode_points()
     (graph,) = [p for p in points if p["id"].endswith("cuda-graph")]
     (host,) = [p for p in points if p["role"] == "host"]
-    return DecodeRates(fit(points), efficiency_of(graph), host_seconds_per_op(_decode_ops(host["preset"]), points))
+    fitted = fit(points)
+    return DecodeRates(fitted, efficiency_of(graph), host_seconds_per_op(_decode_ops(host["preset"]), points),
+                       kv_efficiency_batch_1(fitted, points))  # fmt: skip
+
+
+def kv_efficiency_batch_1(fitted: float, points: list[dict] | None = None) -> float:
+    """The efficiency at which one row's long KV cache is read, the weights read at `fitted`, that
+    reproduces the "long_context_batch_1" point (vLLM 0.4.2 at 200K tokens: attention over one long
+    row uses few of the GPU's cores, which a bandwidth model alone does not see)."""
+    points = decode_points() if points is None else points
+    (point,) = [p for p in points if p["role"] == "long_context_batch_1"]
+    device = DEVICES[point["device"]]
+    bandwidth = device.memory_tbps * 1e12
+    kv_token = _shape(point["preset"])["kv_elements"] * point["assumed"]["kv_bytes_per_element"]
+    kv = kv_token * point["setup"]["input_tokens"]
+    left = point["figure"]["value"] / 1e3 - _weights_read(point) / (bandwidth * fitted)
+    return kv / (bandwidth * left)
 
 
 @cache
@@ -209,9 +229,12 @@ Line = tuple[float, float]  # base, per step
 
 
 def decode_seconds(device: Device, bytes_line: Line, flops_line: Line, *, steps: int, host_seconds: float = 0.0,
-                   rates_: DecodeRates | None = None) -> tuple[float, float, int]:  # fmt: skip
+                   rates_: DecodeRates | None = None,
+                   lone_kv: Line | None = None) -> tuple[float, float, int]:  # fmt: skip
     """Decode steps 1..steps whose bytes and FLOPs are `base + slope x k`: (fast end, slow end,
-    steps the host sets at the slow end). `host_seconds`: the host's time per step (eager)."""
+    steps the host sets at the slow end). `host_seconds`: the host's time per step (eager).
+    `lone_kv`: the part of the bytes that is one row's KV cache decoding alone (vLLM, one row at a
+    time): read at the slow end at `kv_efficiency_batch_1` (the published 200K-token point)."""
     found = rates() if rates_ is None else rates_
     rate = device.tflops * 1e12 * TIME_MODEL.matmul
     ends = []
@@ -220,6 +243,11 @@ def decode_seconds(device: Device, bytes_line: Line, flops_line: Line, *, steps:
         bandwidth = device.memory_tbps * 1e12 * efficiency
         base = max(bytes_line[0] / bandwidth, 0.0)
         slope = bytes_line[1] / bandwidth
+        lone = found.kv_efficiency_batch_1
+        if lone_kv is not None and lone is not None and efficiency == found.memory_efficiency and lone < efficiency:
+            slower = device.memory_tbps * 1e12 * lone
+            base += lone_kv[0] / slower - lone_kv[0] / bandwidth
+            slope += lone_kv[1] / slower - lone_kv[1] / bandwidth
         # Compute-bound steps would need FLOPs / rate above memory: not at GRPO's few rows; checked.
         if flops_line[0] / rate > base or flops_line[1] / rate > slope:
             base, slope = max(base, flops_line[0] / rate), max(slope, flops_line[1] / rate)

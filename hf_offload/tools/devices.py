@@ -35,6 +35,15 @@ class Device:
     # GPU to GPU within a node (NVLink), GB/s per direction: what sequence parallelism's all-to-alls
     # run at; 0: none, they go through the host link.
     peer_link_gbps: float = 0.0
+    # The machine it usually comes in: its host memory per GPU (GiB), how many GPUs it has, and
+    # where the figure comes from (a vendor's system specification, or an assumption).
+    host_memory_gib: float = 64.0
+    gpus_per_node: int = 1
+    host_source: str = "assumed: a workstation with 64 GiB"
+
+    @property
+    def node_host_memory_gib(self) -> float:
+        return self.host_memory_gib * self.gpus_per_node
 
     @property
     def peer_gbps(self) -> float:
@@ -72,6 +81,26 @@ HOPPER_CUBLAS_WORKSPACE = 32 * MIB
 NVLINK4_GBPS = round(450 * DATASHEET_LINK_DERATING, 1)
 NVLINK3_GBPS = round(300 * DATASHEET_LINK_DERATING, 1)
 
+# The host memory of the machines the GPUs come in, per GPU (what one rank's process may take of
+# it: hf_offload's pool and, under ZeRO-3 offload, its share of the weights and optimizer).
+DGX_H100 = dict(host_memory_gib=2048 / 8, gpus_per_node=8,
+                host_source="NVIDIA DGX H100 datasheet: 2 TB system memory for 8 GPUs")
+DGX_H200 = dict(host_memory_gib=2048 / 8, gpus_per_node=8,
+                host_source="NVIDIA DGX H200 datasheet: 2 TB system memory for 8 GPUs")
+DGX_A100_640 = dict(host_memory_gib=2048 / 8, gpus_per_node=8,
+                    host_source="NVIDIA DGX A100 640GB datasheet: 2 TB system memory for 8 GPUs")
+DGX_A100_320 = dict(host_memory_gib=1024 / 8, gpus_per_node=8,
+                    host_source="NVIDIA DGX A100 320GB datasheet: 1 TB system memory for 8 GPUs")
+SERVER_8_GPUS = dict(host_memory_gib=1024 / 8, gpus_per_node=8,
+                     host_source="assumed: an 8-GPU PCIe server with 1 TiB")
+WORKSTATION_64 = dict(host_memory_gib=64, gpus_per_node=1, host_source="assumed: a workstation with 64 GiB "
+                      "(the low end of the 64-128 GiB such a card is usually built with)")
+DESKTOP_32 = dict(host_memory_gib=32, gpus_per_node=1, host_source="assumed: a desktop with 32 GiB")
+GCP_G2_96 = dict(host_memory_gib=384 / 8, gpus_per_node=8,
+                 host_source="Google Cloud g2-standard-96: 8 L4 GPUs, 384 GB memory")
+AWS_G5_48 = dict(host_memory_gib=768 / 8, gpus_per_node=8,
+                 host_source="AWS g5.48xlarge: 8 A10G GPUs, 768 GiB memory")
+
 
 def _from_datasheet(name: str, tflops: float, fp32_tflops: float, link_gbps: float, memory_mib: int,
                     memory_tbps: float, capability: tuple[int, int], what: str, **extra) -> Device:  # fmt: skip
@@ -105,6 +134,7 @@ def _h200() -> Device:
         fp32_tflops=round(67 * DATASHEET_COMPUTE_DERATING, 1),
         compute_capability=(9, 0),
         peer_link_gbps=NVLINK4_GBPS,
+        **DGX_H200,
     )
 
 
@@ -113,25 +143,26 @@ DEVICES = {
     "h100-80gb": _from_datasheet(
         "h100-80gb", 989.4, 66.9, 64, 81559, 3.35, (9, 0),
         "H100 SXM 80GB: 989 TFLOP/s bf16 dense, 67 float32, PCIe gen 5 x16, 81559 MiB, NVLink 4",
-        cublas_workspace_bytes=HOPPER_CUBLAS_WORKSPACE, peer_link_gbps=NVLINK4_GBPS,
+        cublas_workspace_bytes=HOPPER_CUBLAS_WORKSPACE, peer_link_gbps=NVLINK4_GBPS, **DGX_H100,
     ),
     "a100-80gb": _from_datasheet(
         "a100-80gb", 312, 19.5, 32, 81920, 2.04, (8, 0),
         "A100 80GB: 312 TFLOP/s bf16 dense, 19.5 float32, PCIe gen 4 x16, 81920 MiB, NVLink 3",
-        peer_link_gbps=NVLINK3_GBPS,
+        peer_link_gbps=NVLINK3_GBPS, **DGX_A100_640,
     ),
     "a100-40gb": _from_datasheet(
         "a100-40gb", 312, 19.5, 32, 40960, 1.56, (8, 0),
         "A100 40GB: 312 TFLOP/s bf16 dense, 19.5 float32, PCIe gen 4 x16, 40960 MiB, NVLink 3",
-        peer_link_gbps=NVLINK3_GBPS,
+        peer_link_gbps=NVLINK3_GBPS, **DGX_A100_320,
     ),
     "l40s": _from_datasheet(
         "l40s", 362, 91.6, 32, 46068, 0.864, (8, 9),
-        "L40S: 362 TFLOP/s bf16 dense, 91.6 float32, PCIe gen 4 x16, 46068 MiB",
+        "L40S: 362 TFLOP/s bf16 dense, 91.6 float32, PCIe gen 4 x16, 46068 MiB", **SERVER_8_GPUS,
     ),
     "rtx4090": _from_datasheet(
         "rtx4090", 165.2, 82.6, 32, 24564, 1.008, (8, 9),
         "RTX 4090: 165 TFLOP/s bf16 dense with fp32 accumulate, 82.6 float32, PCIe gen 4 x16, 24564 MiB",
+        **WORKSTATION_64,
     ),
     # The GPUs of Unsloth's context-length table (8-80 GB) that people own or rent. GeForce cards
     # multiply bf16 with fp32 accumulate at half their fp16-accumulate tensor rate (NVIDIA's Ampere,
@@ -140,32 +171,37 @@ DEVICES = {
     "rtx4060": _from_datasheet(
         "rtx4060", 30.2, 15.1, 16, 8188, 0.272, (8, 9),
         "RTX 4060 8GB: 30.2 TFLOP/s bf16 dense with fp32 accumulate, 15.1 float32, PCIe gen 4 x8, 8188 MiB",
+        **DESKTOP_32,
     ),
     "rtx3060": _from_datasheet(
         "rtx3060", 25.5, 12.7, 32, 12288, 0.360, (8, 6),
         "RTX 3060 12GB: 25.5 TFLOP/s bf16 dense with fp32 accumulate, 12.7 float32, PCIe gen 4 x16, 12288 MiB",
+        **DESKTOP_32,
     ),
     "rtx4060ti-16gb": _from_datasheet(
         "rtx4060ti-16gb", 44.1, 22.1, 16, 16380, 0.288, (8, 9),
         "RTX 4060 Ti 16GB: 44.1 TFLOP/s bf16 dense with fp32 accumulate, 22.1 float32, PCIe gen 4 x8, 16380 MiB",
+        **DESKTOP_32,
     ),
     "rtx5090": _from_datasheet(
         "rtx5090", 209.5, 104.8, 64, 32607, 1.792, (12, 0),
         "RTX 5090: 209.5 TFLOP/s bf16 dense with fp32 accumulate, 104.8 float32, PCIe gen 5 x16, 32607 MiB",
         cublas_workspace_bytes=HOPPER_CUBLAS_WORKSPACE,  # PyTorch's default from compute capability 9 up
+        **WORKSTATION_64,
     ),
     "l4": _from_datasheet(
         "l4", 121, 30.3, 32, 23034, 0.300, (8, 9),
-        "L4: 121 TFLOP/s bf16 dense (242 with sparsity), 30.3 float32, PCIe gen 4 x16, 23034 MiB",
+        "L4: 121 TFLOP/s bf16 dense (242 with sparsity), 30.3 float32, PCIe gen 4 x16, 23034 MiB", **GCP_G2_96,
     ),
     "a10g": _from_datasheet(
         "a10g", 70, 35, 32, 23028, 0.600, (8, 6),
         "A10G, AWS's variant of the A10 (no NVIDIA datasheet; AWS's and Baseten's published figures): 70 "
-        "TFLOP/s bf16 dense, 35 float32, PCIe gen 4 x16, 23028 MiB",
+        "TFLOP/s bf16 dense, 35 float32, PCIe gen 4 x16, 23028 MiB", **AWS_G5_48,
     ),
     "a6000": _from_datasheet(
         "a6000", 154.8, 38.7, 32, 49140, 0.768, (8, 6),
         "RTX A6000: 154.8 TFLOP/s bf16 dense (309.7 with sparsity), 38.7 float32, PCIe gen 4 x16, 49140 MiB",
+        **WORKSTATION_64,
     ),
 }  # fmt: skip
 
@@ -174,15 +210,17 @@ def format_devices() -> str:
     """The `--device` presets as a markdown table."""
     lines = [
         "| device | sustained bf16 matmul TFLOP/s | float32 TFLOP/s | host link GB/s per direction "
-        "| usable memory GiB | memory TB/s | compute capability | cuBLAS workspace MiB | source |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| usable memory GiB | memory TB/s | compute capability | cuBLAS workspace MiB "
+        "| host GiB per GPU (GPUs) | source |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for device in DEVICES.values():
         capability = ".".join(map(str, device.compute_capability))
         lines.append(
             f"| {device.name} | {device.tflops:g} | {device.fp32_tflops:g} | {device.link_gbps:g} "
             f"| {device.memory_gib:g} | {device.memory_tbps:g} | {capability} "
-            f"| {device.cublas_workspace_bytes / MIB:g} | {device.source} |"
+            f"| {device.cublas_workspace_bytes / MIB:g} | {device.host_memory_gib:g} ({device.gpus_per_node}) "
+            f"| {device.source}; host: {device.host_source} |"
         )
     lines.append(
         f"Datasheet figures are derated to the H200's measured ratios: compute x{DATASHEET_COMPUTE_DERATING:g}, "

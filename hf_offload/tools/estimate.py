@@ -29,17 +29,21 @@ from hf_offload.tools.devices import (
     Device,
     compute_seconds,
 )
+from hf_offload.tools.generation_limits import check_generation, model_positions, vllm_range
 from hf_offload.tools.grpo_generation import (
     VLLM_ASSUMPTIONS,
     VLLM_MAX_NUM_BATCHED_TOKENS,
     CycleTime,
     GenerationPlan,
     cycle_time,
+    hold_generation,
     vllm_share,
 )
 from hf_offload.tools.modes import parse_mode
+from hf_offload.tools.reserve import Reserve, device_reserve
 from hf_offload.tools.simulator import PositionTable, Simulator, StepResult, Training, composition
 from hf_offload.tools.simulator.generation import DECODE_STEPS
+from hf_offload.tools.simulator.linear_attention import linear_attention_lines
 from hf_offload.tools.simulator.search import LONGEST, LongestSequence, Probe, longest_sequence, search_lengths
 from hf_offload.tools.simulator.tiers import (
     DEFAULT_DISK_GBPS,
@@ -71,6 +75,13 @@ class Request:
     efficiency: float | None = None
     disk_gbps: float | None = None  # the disk tier's rate (None: DEFAULT_DISK_GBPS)
     seq_len_given: bool = True  # False: the default length, which a model's position table may cap
+    # The reserve the longest sequence leaves free (`tools/reserve.py`): items replaced by name, in
+    # bytes (None: every item's default); `reserve_bytes` is what `run_estimate` found in all.
+    reserve: dict[str, int] | None = None
+    reserve_bytes: int = 0
+    # Where `training.host_memory_bytes` (the host RAM per rank) comes from: "device" (the device
+    # preset's machine), "given" (--host-memory), or None (unlimited).
+    host_from: str | None = None
 
     @property
     def disk_rate(self) -> float:
@@ -110,6 +121,8 @@ class Estimate:
     with_disk: tuple[Request, ModeEstimate] | None = None
     positions: PositionTable | None = None  # the model's table of positions, which caps every length
     notes: list[str] = field(default_factory=list)  # what the estimate changed in the request, and why
+    reserve: Reserve | None = None  # what the longest sequence leaves free (with a device memory)
+    host: HostPlan | None = None  # the host RAM per rank and what ZeRO-3 takes of it
 
     def as_json(self) -> dict:
         """{"modes": {MODE: {"peak_bytes", "host_bytes", "offloaded_bytes", "flops",
@@ -146,7 +159,7 @@ class Estimate:
                 "tiers": tiers_json(step, request),
             }
             model_type = getattr(request.config.get_text_config(), "model_type", "llama")
-            item["recipe"] = recipe(entry.mode, model_type, request.training.tile_tokens)
+            item["recipe"] = recipe(entry.mode, model_type, request.training)
             if entry.longest is not None:
                 longest = entry.longest
                 item["max_seq_len"] = longest.max_seq_len
@@ -182,6 +195,10 @@ class Estimate:
                 }  # fmt: skip
         return {
             "longest": longest,
+            "reserve": None if self.reserve is None else {
+                **self.reserve.as_json(), "device_bytes": request.memory_bytes,
+                "step_bytes": request.memory_bytes - self.reserve.bytes},
+            "host": host_json(self, best),
             "setup": {
                 "model": request.name,
                 "dtype": str(training.dtype).removeprefix("torch."),
@@ -231,6 +248,7 @@ def generation_json(entry: ModeEstimate) -> dict:
             "cuda_graph_bytes": share.graphs, "non_torch_bytes": share.non_torch, "kv_cache_bytes": share.kv_bytes,
             "asleep_bytes": share.asleep, "assumptions": VLLM_ASSUMPTIONS,
         },
+        "vllm_releases": vllm_range(plan.how.vllm_version, plan.four_bit) if plan.how.use_vllm else None,
         "during_step_bytes": plan.during_step,
         "trainer_resident_bytes": plan.resident,  # weights, the reference model's, optimizer state
         "workspace_bytes": plan.workspace,
@@ -246,6 +264,7 @@ def generation_json(entry: ModeEstimate) -> dict:
             "decode_seconds_range": [cycle.decode_low, cycle.decode_high], "decode_steps": cycle.steps,
             "host_bound_steps": cycle.host_bound_steps, "weight_sync_seconds": cycle.sync,
             "scoring_seconds": cycle.scoring, "training_seconds": cycle.training, "waves": cycle.waves,
+            "notes": cycle.notes,
         },
     }  # fmt: skip
 
@@ -296,9 +315,15 @@ def run_estimate(request: Request, *, echo=print, jobs: int | None = None) -> Es
     started = time.perf_counter()
     for mode in request.modes:
         parse_mode(mode)  # a bad name fails before anything runs
+    check_generation(request.config, request.training)  # what vLLM would refuse, before anything runs
     simulator = Simulator(request.config, request.training)
     request, notes = within_positions(request, simulator.positions)
-    estimate = Estimate(request, positions=simulator.positions, notes=notes)
+    request, host = fit_host(request, simulator)
+    reserve = None
+    if request.memory_bytes is not None:
+        reserve = run_reserve(request, simulator)
+        request = replace(request, reserve_bytes=reserve.bytes)
+    estimate = Estimate(request, positions=simulator.positions, notes=notes, reserve=reserve, host=host)
     if request.training.trl is not None and request.training.trl.trainer == "grpo":
         rates()  # the decode model's constants, once, before any fork (grpo_generation's time)
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -307,7 +332,7 @@ def run_estimate(request: Request, *, echo=print, jobs: int | None = None) -> Es
     if jobs > 1 and context is not None:
         _worker_simulator[:] = [simulator]  # each forked worker steps its own copy of the model built here
         try:
-            with ProcessPoolExecutor(max_workers=jobs, mp_context=context) as pool:
+            with forked_pool(jobs, context) as pool:
                 entries = pool.map(_simulate_mode, [(request, mode) for mode in request.modes])
                 for mode, entry in zip(request.modes, entries, strict=True):
                     estimate.modes.append(entry)
@@ -390,6 +415,119 @@ def past_the_host(estimate: Estimate, cpus: int, context, echo) -> tuple[Request
     return with_disk, entry
 
 
+def forked_pool(workers: int, context) -> ProcessPoolExecutor:
+    """The estimate's pool of forked workers (`context`: multiprocessing's "fork"), each of which
+    sets torch to one thread before anything else runs in it. GNU OpenMP's thread pool does not
+    survive a fork: once a parallel CPU op has run in the parent (torch.zeros(2**26).add_(1)), the
+    child's first parallel op waits in its barrier for threads that are not there, forever. One
+    thread costs the workers nothing: they step models on the meta device. (A "forkserver" or
+    "spawn" pool would not hang either, but starts torch again in each worker and builds the model
+    again: seconds per worker.)"""
+    return ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_one_thread)
+
+
+def _one_thread() -> None:
+    import torch
+
+    torch.set_num_threads(1)
+
+
+@dataclass(frozen=True)
+class HostPlan:
+    """The host RAM one rank has (`ram_bytes`, per GPU: the device preset's machine's or given),
+    and what ZeRO-3's offload keeps there: `zero3_bytes` over the whole group, `zero3_rank_bytes`
+    its share on each rank's host (partitioned over the `sp_size` ranks); hf_offload's budget is
+    its share of what is left (`training.host_budget_bytes`)."""
+
+    ram_bytes: int
+    source: str
+    zero3_bytes: int = 0
+    zero3_rank_bytes: int = 0
+    ranks_per_node: int = 1
+    node_ram_bytes: int | None = None  # the preset machine's, where it comes from one
+
+
+def ranks_per_node(training: Training) -> int:
+    """The ranks of the simulated run on one node: its sequence-parallel group, up to the preset
+    machine's GPUs (one rank without sequence parallelism: the step simulated is one GPU's)."""
+    return max(1, min(training.sp_size, training.device.gpus_per_node))
+
+
+def fit_host(request: Request, simulator: Simulator) -> tuple[Request, HostPlan | None]:
+    """`request` with the host RAM per rank that hf_offload may draw on: with ZeRO-3's offload
+    (`offload_params`), what its host copy of the weights, gradients and optimizer state leaves
+    of the rank's RAM (an error naming both where nothing is left). None: unlimited host."""
+    training = request.training
+    if training.host_memory_bytes is None:
+        return request, None
+    device = training.device
+    ranks = ranks_per_node(training)
+    from_device = request.host_from == "device"
+    source = f"the {device.name} preset's machine, per GPU ({device.host_source})" if from_device else "given"
+    plan = HostPlan(training.host_memory_bytes, source, ranks_per_node=ranks,
+                    node_ram_bytes=int(device.node_host_memory_gib * GIB) if from_device else None)  # fmt: skip
+    if simulator.param_offload is None:
+        return request, plan
+    zero3 = simulator.param_offload.host_bytes(training.optimizer_states)
+    share = -(-zero3 // training.sp_size)
+    left = training.host_memory_bytes - share
+    if left <= 0:
+        raise ValueError(
+            f"ZeRO-3's offload keeps {size(share)} per rank on the host ({size(zero3)} over {training.sp_size} "
+            f"rank(s)), more than the {size(training.host_memory_bytes)} of host memory per rank ({source}): give "
+            "--host-memory GIB (per GPU) larger, or --unlimited-host"
+        )
+    training = replace(training, host_memory_bytes=left)
+    simulator.training = training  # the host budget is read per step; the model built stays the same
+    return replace(request, training=training), replace(plan, zero3_bytes=zero3, zero3_rank_bytes=share)
+
+
+def run_reserve(request: Request, simulator: Simulator) -> Reserve:
+    """The reserve of `request`'s run (`reserve.device_reserve`), from its model: the
+    units ZeRO-3 gathers (for its prefetch) and whether anything trains."""
+    training = request.training
+    units = ()
+    if simulator.param_offload is not None:
+        units = [[p.numel() for p in unit] for unit in simulator.param_offload.units]
+    return device_reserve(
+        usable_bytes=request.memory_bytes, dtype_bytes=training.dtype.itemsize, sp_size=training.sp_size,
+        offload_params=training.offload_params, trainable=bool(simulator.trainable), units=units,
+        overrides=request.reserve,
+    )  # fmt: skip
+
+
+def host_needs(estimate: Estimate, entry: ModeEstimate | None) -> tuple[int, int, int] | None:
+    """At `entry`'s answer: hf_offload's pool per rank (host memory's share of it where a disk
+    tier takes the rest), ZeRO-3's host bytes per node, and the two together per node."""
+    if entry is None or entry.longest is None or entry.longest.at_max is None:
+        return None
+    at = entry.longest.at_max
+    pool = (at.tiers.host_bytes if at.tiers is not None else at.host_bytes) or 0
+    training = estimate.request.training
+    ranks = ranks_per_node(training)
+    zero3 = (at.params_host_bytes or 0) * ranks // training.sp_size
+    if not pool and not zero3:
+        return None
+    return pool, zero3, pool * ranks + zero3
+
+
+def host_json(estimate: Estimate, entry: ModeEstimate | None) -> dict | None:
+    host, needs = estimate.host, host_needs(estimate, entry)
+    if host is None and needs is None:
+        return None
+    item = {"ram_per_rank_bytes": None if host is None else host.ram_bytes,
+            "source": "unlimited" if host is None else host.source,
+            "node_ram_bytes": None if host is None else host.node_ram_bytes,
+            "zero3_per_rank_bytes": None if host is None else host.zero3_rank_bytes,
+            "hf_offload_budget_bytes": estimate.request.training.host_budget_bytes}  # fmt: skip
+    if needs is not None:
+        pool, zero3, total = needs
+        ranks = ranks_per_node(estimate.request.training)
+        item.update(seq_len=entry.longest.max_seq_len, hf_offload_per_rank_bytes=pool, ranks_per_node=ranks,
+                    zero3_per_node_bytes=zero3, per_node_bytes=total)  # fmt: skip
+    return item
+
+
 _worker_simulator: list = []  # a forked worker's model, built at its first mode
 
 
@@ -423,7 +561,7 @@ def _estimate_mode(simulator: Simulator, request: Request, mode: str, *, pair=No
     def run_together(tasks: list[tuple[int, bool]]) -> list[StepResult]:
         _forked_run[:] = [run]
         try:
-            with ProcessPoolExecutor(max_workers=len(tasks) - 1, mp_context=pair) as pool:
+            with forked_pool(len(tasks) - 1, pair) as pool:
                 elsewhere = [pool.submit(_run_forked, task) for task in tasks[1:]]
                 here = run(*tasks[0])
                 found = [here] + [future.result() for future in elsewhere]
@@ -438,8 +576,9 @@ def _estimate_mode(simulator: Simulator, request: Request, mode: str, *, pair=No
     longest = slope = None
     capped = at_table = False
     if request.memory_bytes is not None:
-        # What generation keeps on the GPU during the step (vLLM colocated) is not the step's.
-        step_memory = request.memory_bytes - (plan.during_step if plan is not None else 0)
+        # What generation keeps on the GPU during the step (vLLM colocated) is not the step's, nor
+        # what a real run allocates beside it (the reserve).
+        step_memory = request.memory_bytes - (plan.during_step if plan is not None else 0) - request.reserve_bytes
         limit = None
         if plan is not None and plan.how.on_this_gpu:
             # Generation on this GPU bounds the answer, and it is known without searching the step:
@@ -514,8 +653,11 @@ def _generation_plan(simulator: Simulator, request: Request, mode: str) -> Gener
     if how.colocated:
         profile = simulator.generate("none", rows=1, prompt_length=VLLM_MAX_NUM_BATCHED_TOKENS)
         share = vllm_share(simulator, training.device, how, profile.prefill.peak_bytes, memory=request.memory_bytes)
-    return GenerationPlan(how, trl.generation_rows, trl.prompt_length, simulated, simulator.resident_bytes,
-                          training.device.workspace_bytes, share)  # fmt: skip
+    plan = GenerationPlan(how, trl.generation_rows, trl.prompt_length, simulated, simulator.resident_bytes,
+                          training.device.workspace_bytes, share, model_positions(request.config),
+                          training.four_bit)  # fmt: skip
+    hold_generation(plan, simulator, mode, request.memory_bytes, request.granularity, request.seq_len)
+    return plan
 
 
 def _with_generation(entry: ModeEstimate, plan: GenerationPlan, simulator: Simulator, request: Request, run) -> None:
@@ -631,24 +773,58 @@ def size(nbytes: float | None) -> str:
     return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.1f} MiB"
 
 
-def recipe(mode: str, model_type: str = "llama", tile_tokens: int | None = None) -> list[str]:
-    """The lines that put a model loaded with transformers in `mode`, in the order to add them."""
+# The disk tier's directory in a recipe: the user's own (`disk_dir` must exist on a local disk).
+DISK_DIR = "/path/to/local/disk"
+
+
+def recipe(mode: str, model_type: str = "llama", training: Training | None = None) -> list[str]:
+    """The lines that put a model loaded with transformers in `mode`, in the order to add them,
+    with every option of `training` that the simulated step of `mode` ran with (the text's recipe
+    and the JSON's both come from here). What the setup line states besides (dtype, LoRA, batch,
+    optimizer, a TRL trainer) is how the user trains, not a line to add; ZeRO-3's parameter offload
+    is a DeepSpeed config, named in a comment."""
+    from hf_offload.config import OffloadOptions
+
     parsed = parse_mode(mode)
+    training = Training() if training is None else training
     lines = []
+    if training.offload_params:
+        lines.append("# with DeepSpeed ZeRO-3: offload_param and offload_optimizer to the CPU (in its config)")
+    if training.sp_size > 1:
+        lines.append("from hf_offload.integrations.sequence_parallel import register_ulysses  # on every rank")
+        lines.append(f"register_ulysses(model, sp_size={training.sp_size}, micro_batch_size={training.batch_size})")
     if parsed.liger:
-        lines.append(f"liger_kernel.transformers.apply_liger_kernel_to_{model_type}(model=model)  # fused loss")
+        from hf_offload.tools.modes import liger_flce_switches
+
+        switches = ", ".join(f"{name}={value}" for name, value in liger_flce_switches(model_type).items())
+        lines.append(f"liger_kernel.transformers.apply_liger_kernel_to_{model_type}(model=model, {switches})")
     if parsed.checkpointing:
         lines.append("model.activation_checkpointing_enable()")
     if parsed.hf_offload:
-        lines.append(
-            'model.enable_activation_offloading(max_device_bytes="auto")'
-            if parsed.budget
-            else "model.enable_activation_offloading()"
-        )
+        defaults = OffloadOptions()
+        options = {
+            name: getattr(training, name)
+            for name in ("keep_last_layers", "prefetch_layers", "min_offload_bytes")
+            if getattr(training, name) != getattr(defaults, name)
+        }
+        if parsed.budget:
+            options["max_device_bytes"] = "auto"
+        elif training.device_budget_bytes is not None:
+            options["max_device_bytes"] = training.device_budget_bytes
+        # The host budget is hf_offload's default (80% of the host's RAM), as simulated with
+        # --host-memory; the disk tier's is its default too (80% of the space free in disk_dir).
+        if training.disk_memory_bytes is not None:
+            options["disk_dir"] = DISK_DIR
+        lines.append(f"model.enable_activation_offloading({_keywords(options)})")
     if parsed.tiled:
-        options = "" if tile_tokens is None else f"tile_tokens={tile_tokens}"
-        lines.append(f"model.enable_sequence_tiling({options})")
+        options = {} if training.tile_tokens is None else {"tile_tokens": training.tile_tokens}
+        options.update(dict(training.tiling or ()))
+        lines.append(f"model.enable_sequence_tiling({_keywords(options)})")
     return lines
+
+
+def _keywords(options: dict) -> str:
+    return ", ".join(f"{name}={value!r}" for name, value in options.items())
 
 
 # What the GRPO estimate says of where generation runs, by TRL's setting (one home for each).
@@ -708,10 +884,12 @@ def _headline_lines(estimate: Estimate) -> list[str]:
             lines.extend(f"    {line}" for line in _generation_lines(entry, request))
     lines.extend(_position_lines(estimate))
     best = longest_mode(estimate)
+    lines.extend(_reserve_lines(estimate))
     lines.extend(_host_lines(estimate, best))
+    lines.extend(_host_node_lines(estimate, best))
     if best is not None:
         model_type = getattr(request.config.get_text_config(), "model_type", "llama")
-        steps = recipe(best.mode, model_type, request.training.tile_tokens)
+        steps = recipe(best.mode, model_type, request.training)
         if steps:
             amount = f"{best.longest.max_seq_len:,}" + (" tokens" if length_name(training) == "sequence" else
                                                           "-token completions")  # fmt: skip
@@ -725,6 +903,8 @@ def _generation_how_lines(estimate: Estimate) -> list[str]:
     trl = estimate.request.training.trl
     how = trl.generation
     lines = [f"  generation: {how.describe()}, {trl.generation_rows} rows decoded together (the generation batch)"]
+    if how.use_vllm:
+        lines.append(f"    vLLM releases assumed: {vllm_range(how.vllm_version, estimate.request.training.four_bit)}")
     if how.colocated:
         lines.append(f"    vLLM assumed (not run here): {VLLM_ASSUMPTIONS}")
     elif not how.use_vllm:
@@ -762,6 +942,7 @@ def _generation_lines(entry: ModeEstimate, request: Request) -> list[str]:
     cycle = entry.cycle
     if cycle is not None:
         lines.append(_cycle_line(entry))
+        lines.extend(f"  {note}" for note in cycle.notes)
     return lines
 
 
@@ -769,7 +950,9 @@ def _cycle_line(entry: ModeEstimate) -> str:
     cycle, plan = entry.cycle, entry.generation
     micro = plan.rows // (entry.step.batch_size or 1)
     host = f", {cycle.host_bound_steps:,} of them host-bound at the slow end" if cycle.host_bound_steps else ""
-    sync = f" + weight sync {cycle.sync:.1f} s" if cycle.sync else ""
+    sync = ""
+    if plan.how.use_vllm:  # TRL's push of the policy's weights into vLLM before each generation (modelled)
+        sync = f" + weight sync {cycle.sync * 1e3:.0f} ms" if cycle.sync < 1 else f" + weight sync {cycle.sync:.1f} s"
     return (
         f"one generation batch at {entry.cycle_length:,} tokens (simulated; time modelled): {_seconds(cycle.low)}-"
         f"{_seconds(cycle.high)} = generation {_seconds(cycle.generation_low)}-{_seconds(cycle.generation_high)} "
@@ -810,7 +993,8 @@ def none_fits_json(entry: ModeEstimate) -> dict | None:
     step, usable, fixed, floor = found
     return {"seq_len": step.seq_len, "peak_bytes": step.peak_bytes, "usable_bytes": usable,
             "fixed_bytes": floor, "fixed_parts_at_peak": fixed, "workspace_bytes": step.workspace_bytes,
-            "generation": entry.generation_reason or None}  # fmt: skip
+            "generation": entry.generation_reason or None,
+            "vllm_during_step": entry.generation.during_step_words(usable) if entry.generation else None}  # fmt: skip
 
 
 def _none_fits_lines(entry: ModeEstimate, request: Request) -> list[str]:
@@ -831,6 +1015,9 @@ def _none_fits_lines(entry: ModeEstimate, request: Request) -> list[str]:
                      f"{size(floor)} of {size(usable)}: {verdict}")  # fmt: skip
     if entry.generation is not None and entry.generation_longest is None and entry.generation.how.on_this_gpu:
         lines.append(f"generation: {entry.generation_reason}")
+    if found is not None and entry.generation is not None:
+        share = entry.generation.during_step_words(found[1])
+        lines.extend([share] if share else [])
     return lines
 
 
@@ -854,15 +1041,68 @@ def _host_lines(estimate: Estimate, best: ModeEstimate | None) -> list[str]:
     if at is None:
         return []
     return [
-        f"  past this host's {size(training.host_memory_bytes)} of RAM, a disk tier (enable_activation_offloading("
-        f"disk_dir=...), {disk_request.disk_rate:g} GB/s) reaches {entry.longest.max_seq_len:,} tokens: "
+        f"  past the {size(training.host_memory_bytes)} of host RAM hf_offload draws on, a disk tier "
+        f"(enable_activation_offloading(disk_dir=...), {disk_request.disk_rate:g} GB/s) reaches "
+        f"{entry.longest.max_seq_len:,} tokens: "
         f"{_tiers_needed(at, disk_request)}"
     ]
 
 
+def table(header: list[str], rows: list[list[str]], widths: tuple[int, ...]) -> list[str]:
+    """A text table: the first column left-aligned, the next `len(widths) - 1` right-aligned, each
+    at least its width in `widths` and wider where a cell needs it (two spaces always between
+    columns: a step of 20,059,145 TFLOP and 18,781.58 s stays two numbers); a column after those
+    (free text, "peak at") follows two spaces after the last."""
+    sized = [
+        max(minimum, max(len(row[i]) for row in [header, *rows]) + 2)
+        for i, minimum in enumerate(widths)
+    ]
+    lines = []
+    for row in [header, *rows]:
+        figures = zip(row[1 : len(widths)], sized[1:], strict=True)
+        cells = [f"{row[0]:<{sized[0]}}"] + [f"{cell:>{width}}" for cell, width in figures]
+        rest = "".join(f"  {cell}" for cell in row[len(widths) :])
+        lines.append("".join(cells) + rest)
+    return lines
+
+
+def _reserve_lines(estimate: Estimate) -> list[str]:
+    """What the answer leaves free of the device's memory, item by item."""
+    reserve, memory = estimate.reserve, estimate.request.memory_bytes
+    if reserve is None:
+        return []
+    left = memory - reserve.bytes
+    within = f"so each step above peaks within {size(left)}" if left > 0 else "more than the device's memory"
+    lines = [f"  left free for what a real run allocates beside the step (--reserve NAME=GIB to change): "
+             f"{size(reserve.bytes)}, {within} of {size(memory)}"]  # fmt: skip
+    for item in reserve.items:
+        lines.append(f"    {item.name}: {item.what}: {size(item.bytes)} ({item.source})")
+    return lines
+
+
+def _host_node_lines(estimate: Estimate, best: ModeEstimate | None) -> list[str]:
+    """The host the answer needs per node, against the host it was given (per rank and node)."""
+    needs, host = host_needs(estimate, best), estimate.host
+    lines = []
+    if host is not None:
+        zero3 = f", ZeRO-3's share {size(host.zero3_rank_bytes)} of it" if host.zero3_rank_bytes else ""
+        budget = estimate.request.training.host_budget_bytes
+        share = f"{HOST_MEMORY_SHARE:.0%}"
+        lines.append(f"  host memory per rank: {size(host.ram_bytes)} ({host.source}){zero3}; hf_offload's "
+                     f"budget {size(budget)} (its {share} of the rest; --unlimited-host lifts it)")  # fmt: skip
+    if needs is not None:
+        pool, zero3, total = needs
+        node = None if host is None else host.node_ram_bytes
+        machine = "" if node is None else f" of the machine's {size(node)}"
+        ranks = ranks_per_node(estimate.request.training)
+        parts = f"hf_offload {size(pool)} x {ranks} rank(s)" + (f" + ZeRO-3 {size(zero3)}" if zero3 else "")
+        lines.append(f"  host per node at {best.longest.max_seq_len:,} tokens: {parts} = {size(total)}{machine}")
+    return lines
+
+
 def format_estimate(estimate: Estimate, *, device_given: bool) -> str:
     request = estimate.request
-    lines = [_setup_line(request), ""]
+    lines = [_setup_line(request, estimate.host), ""]
     if request.memory_bytes is not None:
         lines.extend(_headline_lines(estimate))
         lines.append("")
@@ -875,16 +1115,13 @@ def format_estimate(estimate: Estimate, *, device_given: bool) -> str:
     def amount(nbytes):
         return "-" if nbytes is None else f"{nbytes / scale:.2f}"
 
-    lines.append(
-        f"{'mode':<32}{'peak ' + unit:>10}{'host ' + unit:>10}{'moved ' + unit:>11}{flop_unit:>9}{'step s':>8}  peak at"
-    )
-    for entry in estimate.modes:
-        step = entry.step
-        lines.append(
-            f"{entry.mode:<32}{amount(step.peak_bytes):>10}{amount(step.host_bytes):>10}"
-            f"{amount(step.offloaded_bytes):>11}{step.flops / flop_scale:>9.0f}{entry.step_seconds:>8.2f}"
-            f"  {_where(step)}"
-        )
+    header = ["mode", "peak " + unit, "host " + unit, "moved " + unit, flop_unit, "step s", "peak at"]
+    rows = [
+        [entry.mode, amount(entry.step.peak_bytes), amount(entry.step.host_bytes), amount(entry.step.offloaded_bytes),
+         f"{entry.step.flops / flop_scale:.0f}", f"{entry.step_seconds:.2f}", _where(entry.step)]
+        for entry in estimate.modes
+    ]  # fmt: skip
+    lines.extend(table(header, rows, widths=(32, 10, 10, 11, 9, 8)))
     lines.append(
         "(peak: allocated device bytes, what torch.cuda.max_memory_allocated reports; host: hf_offload's pinned "
         f"pool; moved: bytes offloaded per step; {flop_unit}: flop_counter's count, attention over the full square)"
@@ -912,7 +1149,7 @@ def format_estimate(estimate: Estimate, *, device_given: bool) -> str:
     return "\n".join(lines)
 
 
-def _setup_line(request: Request) -> str:
+def _setup_line(request: Request, host: HostPlan | None = None) -> str:
     training = request.training
     dtype = str(training.dtype).removeprefix("torch.")
     if training.lora_rank is None:
@@ -925,9 +1162,11 @@ def _setup_line(request: Request) -> str:
             tuning += f" on a {training.four_bit.describe()}"
     optimizer = "AdamW step" if training.optimizer_states else "no optimizer step (forward and backward)"
     host_bytes = training.host_memory_bytes
-    host = "unlimited host memory" if host_bytes is None else f"{size(host_bytes)} of host memory"
+    host_text = "unlimited host memory" if host_bytes is None else f"{size(host_bytes)} of host memory"
+    if host is not None:  # the rank's RAM, ZeRO-3's share of it included
+        host_text = f"{size(host.ram_bytes)} of host memory"
     if training.disk_memory_bytes is not None:
-        host += f" and {size(training.disk_memory_bytes)} of disk at {request.disk_rate:g} GB/s"
+        host_text += f" and {size(training.disk_memory_bytes)} of disk at {request.disk_rate:g} GB/s"
     tiles = "" if training.tile_tokens is None else f", {training.tile_tokens} tokens per tiled slice"
     if training.autocast is not None:
         dtype = f"{dtype} weights under {str(training.autocast).removeprefix('torch.')} autocast"
@@ -944,8 +1183,8 @@ def _setup_line(request: Request) -> str:
             length = f"{request.seq_len}-token completions"
     return (
         f"{request.name}: {tuning}, {dtype}, batch {training.batch_size} x {length}{padded}, "
-        f"{optimizer}, {host}{tiles}; simulated on the meta device (the real step, without data: transformers, PEFT, "
-        f"checkpointing, hf_offload's engine, {step})"
+        f"{optimizer}, {host_text}{tiles}; simulated on the meta device (the real step, without data: transformers, "
+        f"PEFT, checkpointing, hf_offload's engine, {step})"
     )
 
 
@@ -1159,8 +1398,8 @@ def _longest_lines(estimate: Estimate) -> list[str]:
         f"longest {length_name(request.training)} in {size(memory)} (batch {request.training.batch_size}; bisection "
         "on multiples of "
         f"{request.granularity} tokens, from a bracket predicted by two simulated lengths):",
-        f"{'mode':<32}{'max seq':>9}{'MB/token':>10}{'peak GiB there':>16}{'host GiB there':>16}{'runs':>6}",
     ]
+    rows = []
     for entry in estimate.modes:
         longest = entry.longest
         at = longest.at_max
@@ -1169,10 +1408,10 @@ def _longest_lines(estimate: Estimate) -> list[str]:
         # With a disk tier the step was simulated with every layer offloaded: the host holds what
         # the tiers' plan leaves it, not all of that.
         host_there = None if at is None else at.tiers.host_bytes if at.tiers is not None else at.host_bytes
-        lines.append(
-            f"{entry.mode:<32}{value:>9}{per_token:>10}{gib(at.peak_bytes if at else None):>16}"
-            f"{gib(host_there):>16}{len(longest.probes):>6}"
-        )
+        rows.append([entry.mode, value, per_token, gib(at.peak_bytes if at else None), gib(host_there),
+                     str(len(longest.probes))])  # fmt: skip
+    header = ["mode", "max seq", "MB/token", "peak GiB there", "host GiB there", "runs"]
+    lines.extend(table(header, rows, widths=(32, 9, 10, 16, 16, 6)))
     for entry in estimate.modes:
         at = entry.longest.at_max
         if at is not None and at.tiers is not None:
@@ -1203,6 +1442,7 @@ def _assumption_lines(request: Request, *, device_given: bool) -> list[str]:
         "fit to the other nine; published steps of 0.5M-15M tokens: docs/published.md); offloading's copies not "
         "included",
     ]
+    lines.extend(linear_attention_lines(request.config))
     if request.tflops is not None:
         lines.append(f"  matmul rate: {request.tflops:g} TFLOP/s, given with --tflops")
     if request.link_gbps is not None:

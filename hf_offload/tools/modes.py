@@ -114,6 +114,25 @@ def is_liger_flce(model) -> bool:
     return "forward" in model.__dict__ and fused_linear_cross_entropy_in_use(model)
 
 
+def liger_apply_function(model_type: str):
+    """Liger's `apply_liger_kernel_to_<model_type>`."""
+    from hf_offload.internal import resolve
+
+    apply = resolve("liger-kernel.apply_functions").get(model_type)
+    if apply is None:
+        raise ValueError(f"Liger has no kernels for model type {model_type!r}")
+    return apply
+
+
+def liger_flce_switches(model_type: str) -> dict[str, bool]:
+    """The keyword switches of Liger's apply function for `model_type` that turn on its fused
+    linear cross-entropy and nothing else (the names of the other switches differ per family):
+    what the "+liger" modes run, and what the estimate's recipe passes."""
+    apply = liger_apply_function(model_type)
+    switches = {name: False for name, p in inspect.signature(apply).parameters.items() if isinstance(p.default, bool)}
+    return {**switches, "fused_linear_cross_entropy": True}
+
+
 def set_liger_flce(model, enabled: bool) -> None:
     """Compute the loss of this causal LM instance with Liger's fused linear cross-entropy, and
     nothing else of Liger's: its RMSNorm, SwiGLU and RoPE patches are left off, because they replace
@@ -127,14 +146,7 @@ def set_liger_flce(model, enabled: bool) -> None:
         return
     if "forward" in model.__dict__:
         raise RuntimeError(f"{type(model).__name__}.forward is already replaced on this instance; Liger would hide it")
-    from hf_offload.internal import resolve
-
     model_type = model.config.model_type
-    apply = resolve("liger-kernel.apply_functions").get(model_type)
-    if apply is None:
-        raise ValueError(f"Liger has no kernels for model type {model_type!r}")
-    # Every switch off (their names differ per family) except the fused loss.
-    switches = {name: False for name, p in inspect.signature(apply).parameters.items() if isinstance(p.default, bool)}
-    apply(model=model, **{**switches, "fused_linear_cross_entropy": True})
+    liger_apply_function(model_type)(model=model, **liger_flce_switches(model_type))
     if not is_liger_flce(model):
         raise RuntimeError(f"Liger's apply function for {model_type!r} did not replace forward on the instance")

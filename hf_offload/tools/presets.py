@@ -3,10 +3,20 @@ downloaded), and reading a user's own config."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
 from pathlib import Path
+
+# What Qwen3.5 and Qwen3-Next share (their published config.json files; see the hybrids' note below):
+# the Gated DeltaNet layers' shapes, three of them to one softmax attention layer.
+_HYBRID = dict(head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+               linear_value_head_dim=128, linear_conv_kernel_dim=4, max_position_embeddings=262144,
+               rms_norm_eps=1e-6, tie_word_embeddings=False, layer_types=["linear_attention"] * 3 + ["full_attention"])
+_QWEN3_5 = dict(_HYBRID, vocab_size=248320,
+                rope_parameters=dict(rope_type="default", rope_theta=10000000.0, partial_rotary_factor=0.25,
+                                     mrope_section=[11, 11, 10], mrope_interleaved=True))  # fmt: skip
 
 PRESET_CONFIGS = {
     # Small enough for two CPU cores, shaped like a real Llama (GQA, SwiGLU, RoPE).
@@ -55,6 +65,29 @@ PRESET_CONFIGS = {
     "gemma-7b": dict(model_type="gemma", hidden_size=3072, intermediate_size=24576, num_hidden_layers=28,
                      num_attention_heads=16, num_key_value_heads=16, head_dim=256, vocab_size=256000,
                      max_position_embeddings=8192, tie_word_embeddings=True),
+    # Hybrid models: three Gated DeltaNet (linear attention) layers to one of softmax attention. Written
+    # from the published config.json files as remembered (nothing can be downloaded here), held against
+    # the defaults of transformers 5.25's config classes, which its docstrings name after the same
+    # checkpoints; values marked "unsure" could not be checked against the file itself. Only the text
+    # model: Qwen3.5's vision tower is not built (a text fine-tune does not run it).
+    # Qwen3.5-9B (dense): text_config of its config.json. Sizes = Qwen3_5TextConfig's defaults. Unsure:
+    # tie_word_embeddings (false here, as in the class default; the smallest Qwen3.5 sizes tie).
+    "qwen3.5-9b": dict(model_type="qwen3_5_text", hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
+                       num_attention_heads=16, num_key_value_heads=4, **_QWEN3_5),
+    # Qwen3.5-35B-A3B (MoE, the one fine-tuned most): text_config of its config.json. Sizes =
+    # Qwen3_5MoeTextConfig's defaults (256 experts, 8 routed + 1 shared, expert width 512).
+    "qwen3.5-35b-a3b": dict(model_type="qwen3_5_moe_text", hidden_size=2048, num_hidden_layers=40,
+                            num_attention_heads=16, num_key_value_heads=2, num_experts=256, num_experts_per_tok=8,
+                            moe_intermediate_size=512, shared_expert_intermediate_size=512, **_QWEN3_5),
+    # Qwen3-Next-80B-A3B-Instruct's config.json (512 experts, 10 routed + 1 shared, expert width 512,
+    # every layer MoE). Unsure: intermediate_size 5120 (unused: no layer is dense here).
+    "qwen3-next-80b-a3b": dict(model_type="qwen3_next", hidden_size=2048, intermediate_size=5120,
+                               num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=2,
+                               vocab_size=151936, num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512,
+                               shared_expert_intermediate_size=512, decoder_sparse_step=1, norm_topk_prob=True,
+                               rope_parameters=dict(rope_type="default", rope_theta=10000000.0,
+                                                    partial_rotary_factor=0.25),
+                               **_HYBRID),
 }  # fmt: skip
 PRESET_ALIASES = {"1b": "llama-3.2-1b"}
 
@@ -70,7 +103,10 @@ def preset_config(preset: str):
     name = PRESET_ALIASES.get(preset, preset)
     if name not in PRESET_CONFIGS:
         raise ValueError(f"unknown preset {preset!r}; valid: {', '.join(preset_names())}")
-    options = dict(PRESET_CONFIGS[name])
+    options = copy.deepcopy(PRESET_CONFIGS[name])  # a config may change its nested dicts (rope parameters)
+    if "layer_types" in options:  # a hybrid's repeating pattern, as long as the model is deep
+        pattern = options["layer_types"]
+        options["layer_types"] = [pattern[i % len(pattern)] for i in range(options["num_hidden_layers"])]
     return AutoConfig.for_model(options.pop("model_type"), **options)
 
 

@@ -32,7 +32,8 @@ def table() -> str:
     lines = [
         f"memory efficiency fitted: {rates.memory_efficiency:.3f}; high end (batch-1 CUDA graph step): "
         f"{rates.memory_efficiency_high:.3f}; host seconds per aten op (transformers' generate): "
-        f"{rates.host_seconds_per_op * 1e6:.1f} us",
+        f"{rates.host_seconds_per_op * 1e6:.1f} us; one long row's KV cache read alone (the slow end, fitted to "
+        f"the long_context_batch_1 point): {rates.kv_efficiency_batch_1:.3f}",
         "",
         "| point | GPU | setup | published | predicted | difference | role |",
         "|---|---|---|---|---|---|---|",

@@ -100,22 +100,25 @@ class CountedExchange:
     backward's exchanges are their gradients, through the op's own autograd, as many and as large)."""
 
     def __init__(self, world: int) -> None:
-        from deepspeed.runtime.sequence_parallel import ulysses_sp
-
-        self.module, self.original, self.world = ulysses_sp, ulysses_sp._dim_zero_all_to_all, world
+        self.world, self.original, self.block = world, None, None
         self.calls = self.sent_bytes = 0
 
     def __enter__(self):
+        from hf_offload.integrations.upstream import replaced
+
         def counted(group, tensor):
             self.calls += 1
             self.sent_bytes += tensor.numel() * tensor.element_size() * (self.world - 1) // self.world
             return self.original(group, tensor)
 
-        self.module._dim_zero_all_to_all = counted
+        # DeepSpeed's private all-to-all, replaced through the upstream inventory: renamed, it stops here
+        # with UpstreamChanged instead of counting nothing.
+        self.block = replaced("deepspeed.all_to_all_counted", counted)
+        self.original = self.block.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        self.module._dim_zero_all_to_all = self.original
+        self.block.__exit__(*exc)
 
 
 def build(args: argparse.Namespace, mode: str, config: dict):

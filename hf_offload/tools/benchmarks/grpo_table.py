@@ -27,6 +27,7 @@ from hf_offload.tools import cli
 MODE = "checkpointing+hf_offload+tiled"
 QLORA = ["--load-in-4bit", "--bnb-4bit-quant-type", "nf4", "--bnb-4bit-use-double-quant", "--bnb-4bit-compute-dtype",
          "bf16", "--lora-dtype", "bf16"]  # fmt: skip
+QLORA_VLLM_VERSION = "0.30"  # the newest TRL 1.16 accepts (0.31) answers "Unknown quantization method: bitsandbytes"
 GENERATION = {
     "generate": [],
     "vllm": ["--use-vllm"],
@@ -39,6 +40,8 @@ def command(preset: str, device: str, tuning: str, generation: list[str], extra:
             "--modes", MODE, *generation, *extra]  # fmt: skip
     if tuning == "qlora":
         args += QLORA
+        if "--use-vllm" in generation:  # TRL's quantization="bitsandbytes": a vLLM release that still takes it
+            args += ["--vllm-version", QLORA_VLLM_VERSION]
     return args
 
 

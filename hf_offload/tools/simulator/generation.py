@@ -171,6 +171,21 @@ class GenerationResult:
     compute: dict  # (kind, dtype) -> Line
     seconds: float = 0.0
     answered: dict = field(default_factory=dict)
+    # Decode steps simulated again on a longer cache (`probed`): what peaks there may not be what
+    # peaks at short lengths (DynamicCache's copy of one layer outgrows a fixed temporary, such as
+    # bitsandbytes' dequantized weight), so each probe adds its own line, in this run's steps.
+    probes: list[GenerationResult] = field(default_factory=list)
+
+    def peak_lines(self) -> list[Line]:
+        """The peak's lines in this run's decode steps: this run's and each probe's (a probe whose
+        prompt is `offset` tokens longer is at this run's step k + offset at its step k). The peak
+        at any step is the most bytes live at one of its ops, each exactly linear in the step: every
+        line is one of them, so the peak is at least each line, and is one where simulated."""
+        lines = [self.peak]
+        for probe in self.probes:
+            offset = probe.prompt_length - self.prompt_length
+            lines.append(Line(probe.peak.base - probe.peak.per_token * offset, probe.peak.per_token))
+        return lines
 
     def peak_bytes(self, completion: int) -> int:
         """The most `generate` holds above resident for completions of `completion` tokens: the
@@ -179,7 +194,9 @@ class GenerationResult:
         decode = 0
         if last >= 1:
             simulated = [step.peak_bytes for step in self.steps[:last]]
-            decode = max(simulated) if last <= len(self.steps) else max(max(simulated), int(self.peak.at(last)))
+            decode = max(simulated)
+            if last > len(self.steps):
+                decode = max(decode, *(int(line.at(last)) for line in self.peak_lines()))
         return max(self.prefill.peak_bytes, decode)
 
     def longest(self, budget: int, *, granularity: int = 1, limit: int = 1 << 24) -> int | None:
@@ -187,9 +204,10 @@ class GenerationResult:
         None when even the prefill is not."""
         if self.prefill.peak_bytes > budget or self.peak_bytes(granularity) > budget:
             return None
-        if self.peak.per_token <= 0:
+        growing = [line for line in self.peak_lines() if line.per_token > 0]
+        if not growing:
             return limit // granularity * granularity
-        last = int((budget - self.peak.base) // self.peak.per_token)
+        last = min(int((budget - line.base) // line.per_token) for line in growing)
         completion = min(last + 1, limit) // granularity * granularity
         while completion > granularity and self.peak_bytes(completion) > budget:
             completion -= granularity
@@ -359,3 +377,39 @@ def result_from_steps(counts: list[StepCounts], *, rows: int, prompt_length: int
                  for key in keys},  # fmt: skip
         answered=answered or {},
     )
+
+
+def probed(simulator, mode, result: GenerationResult, completion: int, *,
+           generation_kwargs: dict | None = None) -> GenerationResult:  # fmt: skip
+    """`result` with `generate` simulated again where its decode steps hold the cache of a
+    completion of `completion` tokens: a prompt longer by what comes before the last step, so the
+    probe's simulated steps are this run's steps up to completion - 1 (`peak_lines`)."""
+    from dataclasses import replace
+
+    longer = result.prompt_length + max(completion - 1 - DECODE_STEPS, 0)
+    if longer == result.prompt_length or any(probe.prompt_length == longer for probe in result.probes):
+        return result
+    probe = simulator.generate(mode, rows=result.rows, prompt_length=longer, padded=result.padded,
+                               generation_kwargs=generation_kwargs)  # fmt: skip
+    return replace(result, probes=[*result.probes, probe], seconds=result.seconds + probe.seconds)
+
+
+def held_at_the_answer(simulator, mode, result: GenerationResult, budget: int, *, granularity: int,
+                       cap: int | None = None, tries: int = 3,
+                       generation_kwargs: dict | None = None) -> GenerationResult:  # fmt: skip
+    """`result` probed at the longest completion it allows within `budget` (no longer than `cap`),
+    again where that answer moves, until the answer's own step is simulated (at most `tries`
+    probes): the peak there is then as simulated, not extrapolated from a short run."""
+    for _ in range(tries):
+        found = result.longest(budget, granularity=granularity)
+        if found is None:
+            return result
+        if cap is not None:
+            found = min(found, cap)
+        if found - 1 <= len(result.steps):
+            return result
+        again = probed(simulator, mode, result, found, generation_kwargs=generation_kwargs)
+        if again is result:
+            return result
+        result = again
+    return result

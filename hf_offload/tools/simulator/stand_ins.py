@@ -19,6 +19,11 @@
   inputs of matmuls, linear layers and attention to its dtype, those of softmax, log-softmax,
   cross-entropy and norms to float32, caching the casts of leaf tensors that require grad until
   the outermost autocast ends, as CUDA does.
+- Libraries open autocast regions on their tensors' device (`torch.autocast(device_type=W.device.type,
+  ...)`: PEFT 0.22's LoRA on expert parameters; TRL asks `torch.is_autocast_enabled(device.type)`),
+  and PyTorch has no autocast for "meta". `autocast_regions_on_meta` answers "meta" as the CPU's
+  autocast, the flag that stands for CUDA's in the simulated step: a region that switches autocast
+  off on a GPU switches it off here too.
 - Liger's fused linear cross-entropy is Triton, which runs nothing on meta tensors.
   `SimulatedFusedLinearCrossEntropy` makes the allocations Liger 0.8.5's
   `fused_linear_cross_entropy_forward` makes on CUDA, in the same order, without computing.
@@ -224,6 +229,41 @@ def autocast_as_on_cuda(on_cached_cast=None) -> Iterator[None]:
         _autocast_cache.clear()
         if on_cached_cast is not None:
             _autocast_hooks.remove(on_cached_cast)
+
+
+class _AutocastOnMeta(torch.amp.autocast_mode.autocast):
+    """`torch.autocast` for the simulated step: a region on "meta" is one on the CPU (module docstring)."""
+
+    def __init__(self, device_type: str, *args, **kwargs) -> None:
+        super().__init__("cpu" if device_type == "meta" else device_type, *args, **kwargs)
+
+
+def _on_meta_as_cpu(function):
+    def answer(device_type=None, *args):
+        if device_type is None:
+            return function(*args)
+        return function("cpu" if device_type == "meta" else device_type, *args)
+
+    answer.__wrapped__ = function
+    return answer
+
+
+@contextlib.contextmanager
+def autocast_regions_on_meta() -> Iterator[None]:
+    """Within the block, autocast's queries and regions for the "meta" device are the CPU's."""
+    replaced_names = [
+        (torch, "autocast", _AutocastOnMeta),
+        (torch, "is_autocast_enabled", _on_meta_as_cpu(torch.is_autocast_enabled)),
+        (torch, "get_autocast_dtype", _on_meta_as_cpu(torch.get_autocast_dtype)),
+    ]
+    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in replaced_names]
+    for owner, name, value in replaced_names:
+        setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        for owner, name, value in originals:
+            setattr(owner, name, value)
 
 
 def _next_power_of_2(n: int) -> int:

@@ -6,7 +6,8 @@ the step runs as a user's would, through transformers' own code, PEFT, transform
 checkpointing, hf_offload's engine (with `MetaStreams`), Liger's causal-LM forward with a
 stand-in for its Triton loss, and AdamW: `model(input_ids=ids, labels=ids).loss`, then
 `backward()`, then `optimizer.step()` and `zero_grad(set_to_none=True)`. `MemoryTracker` counts
-what each op allocates; `stand_ins` has the three places where a GPU's path must be named.
+what each op allocates; `stand_ins` has the three places where a GPU's path must be named;
+`linear_attention` the kernels of hybrid models' Gated DeltaNet layers (fla, causal-conv1d).
 
 (PyTorch's FakeTensorMode would do the same on fake CPU tensors, at several times the cost per
 op: an 8B LoRA step took 6-10 s that way on this project's 2-core machine, and 3-5 s on meta tensors,
@@ -42,11 +43,13 @@ from hf_offload.tools.modes import NEEDS_ACCELERATOR, Mode, parse_mode, set_chec
 
 from .four_bit import FourBit, dequantizing_gemm, quantize, quantized_state_tensors
 from .generation import DECODE_STEPS, GenerationResult, result_from_steps, run_generate
+from .linear_attention import linear_attention_as_on_cuda, refuse_linear_attention_under_sp, uses_linear_attention
 from .memo import SliceMemo
 from .stand_ins import (
     UlyssesTraffic,
     attention_as_on_cuda,
     autocast_as_on_cuda,
+    autocast_regions_on_meta,
     real_device_masking,
     simulated_liger_loss,
     simulated_ulysses,
@@ -496,6 +499,7 @@ class Simulator:
         if training.sp_size > 1:
             from hf_offload.integrations.sequence_parallel import check_sequence_parallel
 
+            refuse_linear_attention_under_sp(config, training.sp_size)
             check_sequence_parallel(config, training.sp_size, world_size=training.sp_size)
         self.traffic = UlyssesTraffic(training.sp_size)
         self.replay = replay
@@ -653,6 +657,9 @@ class Simulator:
             stack.enter_context(device_streams(lambda device: _TrackedStreams(device, tracker)))
             stack.enter_context(real_device_masking(padded=training.padded))
             stack.enter_context(attention_as_on_cuda(training.device.compute_capability))
+            if uses_linear_attention(self.config):
+                stack.enter_context(linear_attention_as_on_cuda(training.device.compute_capability))
+            stack.enter_context(autocast_regions_on_meta())
             if training.autocast is not None:
                 stack.enter_context(autocast_as_on_cuda(tracker.in_the_step))
             if training.four_bit is not None:

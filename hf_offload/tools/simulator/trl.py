@@ -42,6 +42,8 @@ from torch.overrides import TorchFunctionMode
 
 from hf_offload.internal import present, replaced, resolve
 
+from .stand_ins import autocast_regions_on_meta
+
 TRAINERS = ("sft", "dpo", "grpo")
 KERNELS = ("triton", "torch")
 VLLM_MODES = ("colocate", "server")
@@ -92,8 +94,19 @@ class TrlGeneration:
     vllm_mode: str = "colocate"
     vllm_gpu_memory_utilization: float = 0.3
     vllm_enable_sleep_mode: bool = False
+    # LLM(max_model_len=...) as TRL 1.16 passes it (None: vLLM derives it from the model's config).
+    vllm_max_model_length: int | None = None
+    # The vLLM release assumed (not a GRPOConfig field: what is installed beside TRL); None: the
+    # newest TRL 1.16 accepts (`generation_limits`).
+    vllm_version: str | None = None
 
     def __post_init__(self) -> None:
+        from hf_offload.tools.generation_limits import DEFAULT_VLLM_VERSION, check_vllm_version
+
+        object.__setattr__(self, "vllm_version", check_vllm_version(self.vllm_version or DEFAULT_VLLM_VERSION))
+        if self.vllm_max_model_length is not None and self.vllm_max_model_length < 1:
+            raise ValueError(f"vllm_max_model_length must be a positive number of tokens, got "
+                             f"{self.vllm_max_model_length}")  # fmt: skip
         if self.vllm_mode not in VLLM_MODES:
             raise ValueError(f"vllm_mode must be one of {', '.join(VLLM_MODES)}, got {self.vllm_mode!r}")
         if not 0 < self.vllm_gpu_memory_utilization <= 1:
@@ -412,22 +425,6 @@ class _Scoring(TorchFunctionMode):
 _HALF = (torch.float16, torch.bfloat16)
 
 
-def _autocast_answers() -> list[tuple[object, str, object]]:
-    """TRL asks `torch.is_autocast_enabled(device.type)`, which PyTorch refuses for "meta"; the
-    CPU's autocast stands for CUDA's in the simulated step (`stand_ins.autocast_as_on_cuda`)."""
-    enabled, dtype = torch.is_autocast_enabled, torch.get_autocast_dtype
-
-    def is_autocast_enabled(device_type=None):
-        if device_type is None:
-            return enabled()
-        return enabled("cpu" if device_type == "meta" else device_type)
-
-    def get_autocast_dtype(device_type):
-        return dtype("cpu" if device_type == "meta" else device_type)
-
-    return [(torch, "is_autocast_enabled", is_autocast_enabled), (torch, "get_autocast_dtype", get_autocast_dtype)]
-
-
 @contextlib.contextmanager
 def fused_head_as_on_cuda(kernel: str = "triton") -> Iterator[_Scoring]:
     """TRL's fused head on meta tensors as it runs on a CUDA device (module docstring); with
@@ -435,8 +432,8 @@ def fused_head_as_on_cuda(kernel: str = "triton") -> Iterator[_Scoring]:
     `valid_tokens` the step sets. Each of TRL's names is checked before any is replaced
     (`hf_offload.integrations.upstream`): a renamed kernel would otherwise run for real on meta."""
     with contextlib.ExitStack() as stack:
-        for owner, name, value in _autocast_answers():
-            stack.enter_context(_attribute(owner, name, value))
+        # TRL asks `torch.is_autocast_enabled(device.type)`, which PyTorch refuses for "meta".
+        stack.enter_context(autocast_regions_on_meta())
         if kernel == "triton":
             use_triton, addmm_fp32 = resolve("trl.use_triton"), resolve("trl.addmm_fp32")
 
