@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from . import auto_budget, instance_forward
-from .adapters import find_attention, innermost, is_linear_like, resolve_layers, unwrap_model
+from .adapters import find_attention, find_mlp, find_norms, innermost, is_linear_like, resolve_layers, unwrap_model
 from .compiling import under_torch_compile
 from .config import OffloadOptions, reject_positional
 from .engine import ActivationOffloader, OffloadStats, in_backward
@@ -183,7 +183,7 @@ def _watch_module_structure() -> None:
 class _LayerSlot:
     __slots__ = (
         "controller", "position", "previous_forward", "installation", "name", "_modules", "_device_probe", "late_hook",
-        "attention_hook",
+        "attention_hook", "part_hooks",
     )  # fmt: skip
 
     def __init__(self, controller: _Controller, position: int, previous_forward: object, layer: nn.Module) -> None:
@@ -197,6 +197,9 @@ class _LayerSlot:
         self._device_probe: tuple[nn.Module, str] | None = None
         self.late_hook = None  # on the attention's first projection: the end of the layer's peak in backward
         self.attention_hook = None  # on the attention block: the end of what the recompute saves for it
+        # Before the layer's norms and MLP: in the recompute, the first of them to run after the attention
+        # block is where what was saved for the attention leaves the device.
+        self.part_hooks: list = []
 
     def for_replica(self, replica: nn.Module) -> _LayerSlot:
         """The same slot for an nn.DataParallel replica of the layer, with caches of its own."""
@@ -480,24 +483,43 @@ def _after_attention_block(engine, module: nn.Module, args, output) -> None:
     recompute (the graph backward runs through), the gradient of its output is hooked: it arrives
     once the MLP's backward and the post-attention norm's are done, and before any of the attention's
     backward runs, and what the recompute parked comes back then (`engine.restore_recomputed`). In a
-    recompute it also ends what counts as saved for the attention (`RecomputeScope.end_window`)."""
+    recompute, what was saved for the attention leaves the device here (`engine.park_recomputed`), its
+    output excepted: with tiling the post-attention norm's and the MLP's forwards run whole in the
+    recompute (each with its slice's float32 work), the peak of a long sequence."""
     if torch.compiler.is_compiling():
         return
     hidden = output[0] if isinstance(output, (tuple, list)) and output else output
+    scope = None
     if in_backward():
         group = engine.backward_group()
         scope = engine.active_recompute(group) if group is not None else None
         if scope is None:
             return
-        scope.end_window()
+        scope.end_window(tensors_in(output, []))
         if scope.outer is not None:
-            return  # non-reentrant: the recompute's graph is never backpropagated; the forward's hook is
+            # Non-reentrant: the recompute's graph is never backpropagated; the forward's hook is.
+            engine.park_recomputed(scope, keep=())
+            return
     else:
         group = engine.forward_group()
-    if group is None or not (isinstance(hidden, torch.Tensor) and hidden.requires_grad):
+    if group is not None and isinstance(hidden, torch.Tensor) and hidden.requires_grad:
+        hidden.register_hook(functools.partial(_attention_gradient, engine, weakref.ref(group)))
+        group.attention_hooked = True
+    if scope is not None:
+        engine.park_recomputed(scope, keep=())
+
+
+def _before_a_later_part(engine, module: nn.Module, args, kwargs) -> None:
+    """Forward pre-hook on a layer's norms and MLP. In a checkpoint's recompute, after the attention
+    block returned (and what it saved was parked): anything parked that this part is called with
+    comes back before it runs (an MLP in parallel with the attention takes the input norm's output,
+    which the attention's projections saved; `engine.restore_read`)."""
+    if torch.compiler.is_compiling() or not in_backward():
         return
-    hidden.register_hook(functools.partial(_attention_gradient, engine, weakref.ref(group)))
-    group.attention_hooked = True
+    group = engine.backward_group()
+    scope = engine.active_recompute(group) if group is not None else None
+    if scope is not None and not scope.window and group.parked:
+        engine.restore_read(group, tensors_in((args, kwargs), []))
 
 
 def _attention_gradient(engine, group: weakref.ref, grad: torch.Tensor) -> None:
@@ -580,6 +602,15 @@ def _install(controller: _Controller, layers: Sequence[nn.Module]) -> None:
             slot.attention_hook = attention.register_forward_hook(
                 functools.partial(_after_attention_block, controller.engine)
             )
+        if attention is not None and not slot.part_hooks:
+            inside = set(attention.modules())
+            parts = [norm for norm in find_norms(layer) if norm not in inside] + [find_mlp(layer)]
+            hook = functools.partial(_before_a_later_part, controller.engine)
+            slot.part_hooks = [
+                part.register_forward_pre_hook(hook, with_kwargs=True)
+                for part in dict.fromkeys(parts)
+                if part is not None
+            ]
     controller.layers = unique
 
 
@@ -594,6 +625,9 @@ def _uninstall(controller: _Controller) -> None:
         if slot.attention_hook is not None:
             slot.attention_hook.remove()
             slot.attention_hook = None
+        for handle in slot.part_hooks:
+            handle.remove()
+        slot.part_hooks = []
         _unscope_the_recompute(layer)
         if instance_forward.wraps(layer, _offloaded_forward):
             if slot.previous_forward is None:

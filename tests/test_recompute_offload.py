@@ -62,7 +62,7 @@ def identical(plain, model) -> bool:
 
 def spy_events(model, monkeypatch) -> list:
     """("parked", layer, storages), ("mlp done", layer) when the gradient of the MLP's input arrives,
-    ("restored", layer, sizes the storages had then), in order."""
+    ("restored", layer, sizes the storages had then, storages), in order."""
     events = []
     park, unpark = recompute.park, recompute.unpark
 
@@ -72,7 +72,8 @@ def spy_events(model, monkeypatch) -> list:
         return parked
 
     def unparking(group, parked):
-        events.append(("restored", group.position, [entry.storage.nbytes() for entry in parked]))
+        storages = [entry.storage for entry in parked]
+        events.append(("restored", group.position, [storage.nbytes() for storage in storages], storages))
         return unpark(group, parked)
 
     monkeypatch.setattr(recompute, "park", parking)
@@ -155,8 +156,8 @@ def test_a_storage_brought_back_before_the_mlp_backward_is_caught(everything_mov
     nothing waited on the host through the MLP's backward."""
     park_recomputed = ActivationOffloader.park_recomputed
 
-    def parking_and_restoring(self, scope):
-        park_recomputed(self, scope)
+    def parking_and_restoring(self, scope, keep=None):
+        park_recomputed(self, scope, keep)
         self.restore_recomputed(scope.group)
 
     monkeypatch.setattr(ActivationOffloader, "park_recomputed", parking_and_restoring)
@@ -221,3 +222,112 @@ def test_the_simulator_moves_what_the_engine_moves_inside_the_recompute(monkeypa
     # backward, eager's score matrices back, holds the step's peak).
     mlp = [tag for tag in kept.tag_peaks if tag[0] == "backward" and str(tag[-1]).endswith("mlp")]
     assert mlp and all(parked.tag_peaks[tag] < kept.tag_peaks[tag] for tag in mlp), (mlp, kept.tag_peaks)
+
+
+def spy_later_parts(model, events: list) -> None:
+    """("part", layer) when a layer's post-attention norm or MLP (Phi: no such norm) starts in backward:
+    only its checkpoint's recompute calls it then (tiling's slices in backward do not call the module)."""
+    from hf_offload.engine import in_backward
+
+    def note(index: int) -> None:
+        if in_backward():
+            events.append(("part", index))
+
+    for index, layer in enumerate(layers_of(model)):
+        part = getattr(layer, "post_attention_layernorm", None) or layer.mlp
+        part.register_forward_pre_hook(lambda module, args, index=index: note(index))
+
+
+def parked_before_the_later_parts(events) -> bool:
+    """Every layer parked before its recompute ran the first part after the attention block."""
+    for layer in range(LAYERS):
+        parked = [i for i, event in enumerate(events) if event[:2] == ("parked", layer)]
+        part = [i for i, event in enumerate(events) if event == ("part", layer)]
+        if len(parked) != 1 or not part or not parked[0] < part[0]:
+            return False
+    return True
+
+
+@pytest.mark.parametrize("setup", ["non_reentrant_tiled", "reentrant", "lora_non_reentrant_tiled"])
+def test_the_attention_s_tensors_leave_before_the_post_attention_parts_run(setup, everything_moves, monkeypatch):
+    """In the recompute, what was saved for the attention leaves before the post-attention norm runs
+    (with tiling the norm's and the MLP's forwards run whole in the recompute: the peak of a long
+    sequence), not when the recompute ends; exact still."""
+    with simulated_schedule("lazy"):
+        plain, model = build(**SETUPS[setup])
+        events = spy_events(model, monkeypatch)
+        spy_later_parts(model, events)
+        assert identical(plain, model)
+    assert parked_before_the_later_parts(events), events
+    assert waited_through_the_mlp_backward(events), events
+
+
+def test_parking_when_the_recompute_ends_is_caught(everything_moves, monkeypatch):
+    """Companion: parked only when the recompute ends, after its norm and MLP ran with everything on
+    the device, the step is exact and the order check fails."""
+    park_recomputed = ActivationOffloader.park_recomputed
+
+    def at_the_end_only(self, scope, keep=None):
+        if keep is None:
+            park_recomputed(self, scope)
+
+    monkeypatch.setattr(ActivationOffloader, "park_recomputed", at_the_end_only)
+    plain, model = build(**SETUPS["non_reentrant_tiled"])
+    events = spy_events(model, monkeypatch)
+    spy_later_parts(model, events)
+    assert identical(plain, model)
+    assert waited_through_the_mlp_backward(events)
+    assert not parked_before_the_later_parts(events)
+
+
+def read_while_parked(events) -> bool:
+    """Whether a ("read", storage) event found its storage parked (parked, not yet restored)."""
+    where = {}
+    for event in events:
+        if event[0] in ("parked", "restored"):
+            for storage in event[-1] if event[0] == "parked" else event[3]:
+                where[id(storage)] = event[0]
+        elif event[0] == "read" and where.get(id(event[1])) == "parked":
+            return True
+    return False
+
+
+def phi_step(monkeypatch) -> tuple[bool, list]:
+    """A Phi model (attention and MLP in parallel: the MLP takes the input norm's output, which the
+    q/k/v projections saved before the attention returned, so it is parked with them). Parked
+    storages are copied out but not freed, so that a storage read while parked shows in the events
+    instead of as a crash. Returns whether the step was exact, and the events."""
+    from hf_offload.engine import in_backward
+    from hf_offload.engine.streams import SimulatedStreams
+
+    monkeypatch.setattr(SimulatedStreams, "shrink", lambda self, storage: None)
+    monkeypatch.setattr(SimulatedStreams, "regrow", lambda self, storage, nbytes: None)
+    plain = tiny_model("phi", num_hidden_layers=LAYERS, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                       num_key_value_heads=4, vocab_size=128)  # fmt: skip
+    plain.activation_checkpointing_enable({"use_reentrant": False})
+    model = twin(plain)
+    enable_sim(model)
+    events = spy_events(model, monkeypatch)
+
+    def note(module, args) -> None:
+        if in_backward():
+            events.append(("read", args[0].untyped_storage()))
+
+    for layer in layers_of(model):
+        layer.mlp.register_forward_pre_hook(note)
+    exact = identical(plain, model)
+    assert any(event[0] == "parked" and event[2] for event in events)
+    assert any(event[0] == "read" for event in events)
+    return exact, events
+
+
+def test_what_a_parallel_mlp_reads_comes_back_before_it_runs(everything_moves, monkeypatch):
+    exact, events = phi_step(monkeypatch)
+    assert exact and not read_while_parked(events)
+
+
+def test_a_parked_argument_of_the_mlp_is_caught(everything_moves, monkeypatch):
+    """Companion: without bringing back what the MLP is called with, it reads a parked storage."""
+    monkeypatch.setattr(ActivationOffloader, "restore_read", lambda self, group, tensors: None)
+    _exact, events = phi_step(monkeypatch)
+    assert read_while_parked(events)

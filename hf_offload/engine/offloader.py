@@ -1131,16 +1131,29 @@ class ActivationOffloader:
             scopes = local.scopes = []
         return scopes
 
-    def park_recomputed(self, scope: recompute.RecomputeScope) -> None:
+    def park_recomputed(self, scope: recompute.RecomputeScope, keep: Iterable[torch.Tensor] | None = None) -> None:
+        """What `scope`'s recompute saved for the attention's backward goes to the host: when the
+        attention block returns in the recompute (`keep`: what else stays), or when the recompute ends
+        (`keep` None) where nothing called it before."""
         group = scope.group
         step = self.step
-        if scope.window or not group.attention_hooked or group.parked:
+        if keep is None and scope.decided:
+            # Parked when the attention returned: anything of those the rest of the recompute saved
+            # again (a layer of unusual shape) comes back at once, before backward reads it.
+            again = [entry for entry in group.parked if recompute.storage_key(entry.storage) in scope.after]
+            if again:
+                with self._lock:
+                    group.parked = [entry for entry in group.parked if entry not in again]
+                    step.recompute_restored_tensors += recompute.unpark(group, again)
+            return
+        if scope.window or not group.attention_hooked or group.parked or scope.decided:
             # The attention block never returned in the recompute (what was saved after it cannot be
             # told apart); nothing would bring them back; or a second recompute of one graph
             # (retain_graph) while the first one's are still parked.
             return
+        scope.decided = keep is not None
         with self._lock:
-            storages = scope.candidates()
+            storages = scope.candidates(() if keep is None else keep)
             nbytes = sum(storage.nbytes() for storage in storages)
             if not storages or nbytes < recompute.RECOMPUTE_OFFLOAD_BYTES:
                 step.recompute_kept_bytes += nbytes
@@ -1149,6 +1162,20 @@ class ActivationOffloader:
             step.recompute_offloaded_tensors += len(parked)
             step.recompute_offloaded_bytes += sum(entry.nbytes for entry in parked)
             step.recompute_kept_bytes += nbytes - sum(entry.nbytes for entry in parked)
+
+    def restore_read(self, group: LayerGroup, tensors: Iterable[torch.Tensor]) -> None:
+        """The recompute reads `tensors` on after parking: those of them parked come back now."""
+        storages = []
+        for tensor in tensors:
+            try:
+                storages.append(tensor.untyped_storage())
+            except (RuntimeError, NotImplementedError):
+                continue
+        read = [entry for entry in group.parked if any(entry.storage is storage for storage in storages)]
+        if read:
+            with self._lock:
+                group.parked = [entry for entry in group.parked if entry not in read]
+                self.step.recompute_restored_tensors += recompute.unpark(group, read)
 
     def restore_recomputed(self, group: LayerGroup) -> None:
         """The gradient of `group`'s attention output has arrived: what its recompute parked comes back."""

@@ -54,8 +54,22 @@ def threshold(nbytes: int) -> Iterator[None]:
         RECOMPUTE_OFFLOAD_BYTES = previous
 
 
-def _storage_key(storage: torch.UntypedStorage) -> int:
+def storage_key(storage: torch.UntypedStorage) -> int:
+    """A storage's identity while a recompute runs (a parked one, freed in place, by its object)."""
     return storage.data_ptr() or id(storage)
+
+
+_storage_key = storage_key
+
+
+def _keys(tensors: Iterable[torch.Tensor]) -> set[int]:
+    keys = set()
+    for tensor in tensors:
+        try:
+            keys.add(_storage_key(tensor.untyped_storage()))
+        except (RuntimeError, NotImplementedError):
+            continue
+    return keys
 
 
 def tensors_in(value, found: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -91,7 +105,9 @@ class Parked:
 class RecomputeScope:
     """The saved-tensor hooks of one layer's checkpoint recompute (see the module docstring)."""
 
-    __slots__ = ("engine", "group", "inputs", "protected", "window", "before", "after", "hooks", "outer")
+    __slots__ = (
+        "engine", "group", "inputs", "protected", "window", "before", "after", "hooks", "outer", "kept", "decided"
+    )  # fmt: skip
 
     def __init__(self, engine, group, inputs: Iterable[torch.Tensor], protected: Callable[[], Iterable]) -> None:
         self.engine = engine
@@ -103,6 +119,8 @@ class RecomputeScope:
         self.after: set[int] = set()
         self.hooks = None
         self.outer = None
+        self.kept: set[int] = set()  # storages the layer reads on after the attention block (its output)
+        self.decided = False  # parked already (or found below the threshold), before the MLP ran
 
     def __enter__(self) -> RecomputeScope:
         # The checkpoint's recomputation hooks (non-reentrant), which ours must pass every tensor to.
@@ -133,7 +151,7 @@ class RecomputeScope:
             # hooks object made a cycle through `pack`: let go of the layer's group (its host
             # copies), the storages and the inputs now.
             self.hooks = self.group = self.protected = None
-            self.before, self.after, self.inputs = {}, set(), ()
+            self.before, self.after, self.inputs, self.kept = {}, set(), (), set()
 
     def pack(self, tensor: torch.Tensor):
         if type(tensor) is torch.Tensor and tensor.layout is torch.strided:
@@ -156,13 +174,16 @@ class RecomputeScope:
         outer = self.outer
         return outer[1](packed) if outer is not None else packed
 
-    def end_window(self) -> None:
+    def end_window(self, outputs: Iterable[torch.Tensor] = ()) -> None:
+        """The attention block has returned `outputs`, which the layer reads on: they never move."""
         self.window = False
+        self.kept.update(_keys(outputs))
 
-    def candidates(self) -> list[torch.UntypedStorage]:
+    def candidates(self, keep: Iterable[torch.Tensor] = ()) -> list[torch.UntypedStorage]:
         """The storages saved before the attention block returned, and not after, that are neither the
-        recompute's inputs nor parameters or buffers: made by the recompute, for the attention's backward."""
-        excluded = set(self.after)
+        recompute's inputs nor parameters or buffers, nor the attention block's outputs nor `keep`
+        (what the MLP is called with): made by the recompute, for the attention's backward."""
+        excluded = set(self.after) | self.kept | _keys(keep)
         for tensor in self.inputs:
             try:
                 excluded.add(_storage_key(tensor.untyped_storage()))
