@@ -395,16 +395,23 @@ _CHECKPOINTED = "_checkpoint_wrapped_module"
 
 
 def _after_attention_projection(engine, module: nn.Module, args, output) -> None:
-    """Forward hook on a layer's first attention projection: the gradient of its output arrives in
+    """Forward hook on a layer's first attention projection. In forward, the earlier layers' copies
+    to the host let go of their sources before the attention runs, at long context
+    (`ActivationOffloader.release_before_attention`). The gradient of its output arrives in
     backward once the attention's backward, the layer's peak, is done, and the layers before it
     may come back then (`ActivationOffloader.prefetch_point`). Hooked on the graph backward runs
     through: the forward's (a non-reentrant checkpoint's recompute only refills saved tensors),
     or a reentrant checkpoint's recompute. Under torch.compile it does nothing (traced as such,
     it leaves the compiled graph as it would be without offloading), and the layers before come
     back at the layer's backward start."""
-    if torch.compiler.is_compiling() or not (isinstance(output, torch.Tensor) and output.requires_grad):
+    if torch.compiler.is_compiling():
         return
-    group = engine.backward_group() if in_backward() else engine.forward_group()
+    backward = in_backward()
+    if not backward:
+        engine.release_before_attention()
+    if not (isinstance(output, torch.Tensor) and output.requires_grad):
+        return
+    group = engine.backward_group() if backward else engine.forward_group()
     if group is not None and group.late_point:
         output.register_hook(functools.partial(_past_the_peak, engine, weakref.ref(group)))
 

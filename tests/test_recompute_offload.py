@@ -331,3 +331,72 @@ def test_a_parked_argument_of_the_mlp_is_caught(everything_moves, monkeypatch):
     monkeypatch.setattr(ActivationOffloader, "restore_read", lambda self, group, tensors: None)
     _exact, events = phi_step(monkeypatch)
     assert read_while_parked(events)
+
+
+def release_events(model, monkeypatch) -> list:
+    """("released", layer of the batch) when a batch of copies to the host lets go of its sources,
+    ("attention", layer) when a layer's attention starts in forward (after ours, at its q_proj)."""
+    from hf_offload.engine import in_backward
+    from hf_offload.engine.offloader import DeviceContext
+
+    events = []
+    release = DeviceContext.release
+
+    def releasing(self, batch):
+        events.append(("released", batch.nbytes))
+        return release(self, batch)
+
+    monkeypatch.setattr(DeviceContext, "release", releasing)
+
+    def note(index: int) -> None:
+        if not in_backward():
+            events.append(("attention", index))
+
+    for index, layer in enumerate(layers_of(model)):
+        layer.self_attn.q_proj.register_forward_hook(lambda module, args, output, index=index: note(index))
+    return events
+
+
+def released_before_the_next_attention(events) -> bool:
+    """Layer 0's copies (the only earlier batch when layer 1 runs) let go before layer 1's attention."""
+    released = [i for i, event in enumerate(events) if event[0] == "released"]
+    attention = [i for i, event in enumerate(events) if event == ("attention", 1)]
+    return bool(released and attention) and released[0] < attention[0]
+
+
+@pytest.mark.parametrize("schedule", ["lazy", "random"])
+@pytest.mark.parametrize("setup", ["non_reentrant_tiled", "reentrant"])
+def test_the_copies_of_earlier_layers_let_go_before_the_attention(setup, schedule, monkeypatch):
+    """At long context (EARLY_RELEASE_BYTES, lowered here) a layer's copies to the host release their
+    device sources before the next layer's attention, its forward's peak; exact under the race checker."""
+    from hf_offload.engine import offloader
+
+    monkeypatch.setattr(offloader, "EARLY_RELEASE_BYTES", 0)
+    with simulated_schedule(schedule, seed=5):
+        plain, model = build(**SETUPS[setup])
+        events = release_events(model, monkeypatch)
+        assert identical(plain, model)
+    assert released_before_the_next_attention(events), events
+    assert hf_offload.activation_offloading_stats(model).early_releases > 0
+
+
+def test_copies_let_go_at_the_layer_end_are_caught(monkeypatch):
+    """Companion of the order check: below EARLY_RELEASE_BYTES (the default, at this size) the sources
+    go at the next layer's end, after its attention."""
+    plain, model = build(**SETUPS["non_reentrant_tiled"])
+    events = release_events(model, monkeypatch)
+    assert identical(plain, model)
+    assert not released_before_the_next_attention(events)
+    assert hf_offload.activation_offloading_stats(model).early_releases == 0
+
+
+def test_an_early_release_without_waiting_for_its_copy_is_caught(monkeypatch):
+    """Companion: released before the attention without waiting for the copy out, the lazy copy reads
+    a source already let go of."""
+    from hf_offload.engine import offloader
+
+    monkeypatch.setattr(offloader, "EARLY_RELEASE_BYTES", 0)
+    monkeypatch.setattr(ordering, "before_releasing_sources", lambda *args: None)
+    with simulated_schedule("lazy"):
+        plain, model = build(**SETUPS["non_reentrant_tiled"])
+        assert not identical(plain, model)

@@ -45,6 +45,7 @@ class StepCounters:
     recompute_offloaded_bytes: int = 0
     recompute_restored_tensors: int = 0
     recompute_kept_bytes: int = 0
+    early_releases: int = 0
     kept_tensors: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KEEP_REASONS, 0))
     kept_bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KEEP_REASONS, 0))
 
@@ -141,6 +142,9 @@ class OffloadStats:
     recompute_offloaded_bytes: int = 0
     recompute_restored_tensors: int = 0
     recompute_kept_bytes: int = 0
+    # Layers whose copies to the host let go of their device sources before the next layer's attention
+    # ran, not at its end (`ActivationOffloader.release_before_attention`, long context only).
+    early_releases: int = 0
 
     def as_dict(self) -> dict[str, object]:
         return {name: getattr(self, name) for name in self.__dataclass_fields__}
