@@ -188,6 +188,7 @@ def test_disabling_gives_the_layers_their_checkpointing_function_back():
     for layer, original in zip(layers_of(model), originals, strict=True):
         assert layer._gradient_checkpointing_func is original
         assert not layer.self_attn._forward_hooks
+        assert not layer.mlp._forward_pre_hooks and not layer.post_attention_layernorm._forward_pre_hooks
 
 
 def test_the_simulator_moves_what_the_engine_moves_inside_the_recompute(monkeypatch):

@@ -36,10 +36,13 @@ from .streams import flat_bytes
 # Below this many bytes a layer's recompute keeps what it saved on the device (today's behaviour).
 # The copies out and back are waited for: 2 x bytes / 55 GB/s per layer (an H200's pinned link),
 # beside the layer's time, which grows as tokens^2. Simulated 2026-12-07 (Llama-3-8B LoRA r=16,
-# tiled, 262,144 tokens, the H200 time model): the host pool grows by 9 GiB (a layer parks 36 KB a token), 0.35 s of
-# copies against 5.2 s of its forward and backward (6.7%); at 32 GiB (~930k tokens) the ratio is
-# under 2%, the step-time goal. Chosen for the step time; a lower value trades time for memory.
-RECOMPUTE_OFFLOAD_BYTES = 32 * 2**30
+# tiled, 262,144 tokens, the H200 time model): the host pool grows by 9 GiB (a layer parks 36 KB a
+# token), 0.35 s of copies against 5.2 s of its forward and backward (6.7%), a ratio falling as
+# 1/tokens: 2.5% at 24 GiB (~700k tokens), 1.75% at 1M. 32 GiB (~930k tokens) kept it under 2%
+# everywhere, but on an 80 GB card the memory runs out at ~830k tokens without it (simulated
+# 2026-12-08): a search then stops there, though 1M fits with it. 24 GiB: acting below that edge,
+# at up to 2.5% of the step's time where it starts.
+RECOMPUTE_OFFLOAD_BYTES = 24 * 2**30
 
 
 @contextlib.contextmanager
