@@ -194,9 +194,11 @@ def test_disabling_gives_the_layers_their_checkpointing_function_back():
 def test_the_simulator_moves_what_the_engine_moves_inside_the_recompute(monkeypatch):
     """`hf-offload estimate` runs the engine on the meta device: the same storages move in the
     recompute as on real tensors, and its tracker sees them leave the device."""
+    from hf_offload.engine import offloader
     from hf_offload.tools.simulator import Simulator, Training
 
     monkeypatch.setattr(recompute, "RECOMPUTE_OFFLOAD_BYTES", 0)
+    monkeypatch.setattr(offloader, "EARLY_RELEASE_BYTES", 0)
     config = dict(vocab_size=64, intermediate_size=256, max_position_embeddings=2048, num_hidden_layers=LAYERS)
     tokens = 1024
     # Eager attention: no kernel whose CPU and CUDA versions save different tensors.
@@ -213,9 +215,11 @@ def test_the_simulator_moves_what_the_engine_moves_inside_the_recompute(monkeypa
     real = hf_offload.activation_offloading_stats(model)
     assert parked.offload_stats["recompute_offloaded_bytes"] == real.recompute_offloaded_bytes > 0
     assert parked.offload_stats["recompute_offloaded_tensors"] == real.recompute_offloaded_tensors
+    assert parked.offload_stats["early_releases"] == real.early_releases > 0
     # A setup simulated as systems without it run (ALST's, in benchmarks/published.py).
-    without = Simulator(simulator.config, dataclasses.replace(training, recompute_offload=False))
-    assert without.run("checkpointing+hf_offload+tiled", tokens).offload_stats["recompute_offloaded_bytes"] == 0
+    without = Simulator(simulator.config, dataclasses.replace(training, recompute_offload=False, early_release=False))
+    stats = without.run("checkpointing+hf_offload+tiled", tokens).offload_stats
+    assert stats["recompute_offloaded_bytes"] == 0 and stats["early_releases"] == 0
     monkeypatch.setattr(recompute, "RECOMPUTE_OFFLOAD_BYTES", 2**62)
     kept = simulator.run("checkpointing+hf_offload+tiled", tokens)
     assert kept.offload_stats["recompute_offloaded_bytes"] == 0

@@ -24,12 +24,13 @@ on a GPU host the CPU time of each layer call is time the device may wait.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import threading
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from copy import deepcopy
 
 import torch
@@ -76,6 +77,18 @@ LATE_PREFETCH_BYTES = 256 * 2**20
 # time, at most bytes / 55 GB/s on an H200's pinned link: 39 ms at 2 GiB, Llama-3-8B's layer input
 # at 262,144 tokens) is small beside a layer's forward there, whose attention grows as tokens^2.
 EARLY_RELEASE_BYTES = 2 * 2**30
+
+
+@contextlib.contextmanager
+def early_release_threshold(nbytes: int) -> Iterator[None]:
+    """Within this block, `EARLY_RELEASE_BYTES` is `nbytes` (the memory simulator's steps of systems
+    that let go of a layer's input only later, ALST's: 2**62)."""
+    global EARLY_RELEASE_BYTES
+    previous, EARLY_RELEASE_BYTES = EARLY_RELEASE_BYTES, nbytes
+    try:
+        yield
+    finally:
+        EARLY_RELEASE_BYTES = previous
 
 
 def _offloader_with_options(options: dict) -> ActivationOffloader:

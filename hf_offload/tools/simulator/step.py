@@ -27,7 +27,7 @@ import torch
 
 import hf_offload
 from hf_offload.config import DEFAULT_MIN_OFFLOAD_BYTES, DISK_SPACE_SHARE, HOST_MEMORY_SHARE, TilingOptions
-from hf_offload.engine import recompute
+from hf_offload.engine import offloader, recompute
 from hf_offload.internal import (
     MetaStreams,
     TierPlan,
@@ -79,6 +79,10 @@ class Training:
     # `RECOMPUTE_OFFLOAD_BYTES` a layer (hf_offload's behaviour, `engine/recompute.py`); False keeps
     # it on the device, as systems without it do (ALST's setups in `benchmarks/published.py`).
     recompute_offload: bool = True
+    # A layer's copies to the host let go of their device memory before the next layer's attention
+    # from `EARLY_RELEASE_BYTES` a layer (hf_offload's behaviour, `engine/offloader.py`); False: at
+    # the next layer's end, as before (ALST's setups in `benchmarks/published.py`).
+    early_release: bool = True
     host_memory_bytes: int | None = None  # the simulated host's RAM; None: unlimited
     # Free space for the disk tier (hf_offload's default max_disk_bytes is 80% of it); None: no disk
     # tier. With it the step offloads every layer (nothing stays on the device for want of host
@@ -644,6 +648,8 @@ class Simulator:
                 host = None if training.disk_memory_bytes is not None else training.host_budget_bytes
                 if not training.recompute_offload:
                     stack.enter_context(recompute.threshold(2**62))
+                if not training.early_release:
+                    stack.enter_context(offloader.early_release_threshold(2**62))
                 hf_offload.enable_activation_offloading(
                     base,
                     simulate_on_cpu=True,
