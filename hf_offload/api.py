@@ -21,10 +21,11 @@ import torch
 from torch import nn
 
 from . import auto_budget, instance_forward
-from .adapters import find_attention, innermost, is_linear_like, resolve_layers, unwrap_model
+from .adapters import find_attention, find_mlp, find_norms, innermost, is_linear_like, resolve_layers, unwrap_model
 from .compiling import under_torch_compile
 from .config import OffloadOptions, reject_positional
 from .engine import ActivationOffloader, OffloadStats, in_backward
+from .engine.recompute import tensors_in
 from .integrations.kernels import check_kernel_funcs
 from .integrations.liger import fused_linear_cross_entropy_in_use
 from .integrations.trl import TRL_OFFLOADING_WARNING, is_trl_hooks_module
@@ -181,7 +182,8 @@ def _watch_module_structure() -> None:
 
 class _LayerSlot:
     __slots__ = (
-        "controller", "position", "previous_forward", "installation", "name", "_modules", "_device_probe", "late_hook"
+        "controller", "position", "previous_forward", "installation", "name", "_modules", "_device_probe", "late_hook",
+        "attention_hook", "part_hooks",
     )  # fmt: skip
 
     def __init__(self, controller: _Controller, position: int, previous_forward: object, layer: nn.Module) -> None:
@@ -194,6 +196,10 @@ class _LayerSlot:
         self._modules = _ModuleCache()
         self._device_probe: tuple[nn.Module, str] | None = None
         self.late_hook = None  # on the attention's first projection: the end of the layer's peak in backward
+        self.attention_hook = None  # on the attention block: the end of what the recompute saves for it
+        # Before the layer's norms and MLP: in the recompute, the first of them to run after the attention
+        # block is where what was saved for the attention leaves the device.
+        self.part_hooks: list = []
 
     def for_replica(self, replica: nn.Module) -> _LayerSlot:
         """The same slot for an nn.DataParallel replica of the layer, with caches of its own."""
@@ -291,6 +297,7 @@ class _EagerScope:
         )
         if group is None:
             return
+        _scope_the_recompute(layer)
         self.hooks = torch.autograd.graph.saved_tensors_hooks(group.pack, group.unpack)
         self.hooks.__enter__()
         self.group = group
@@ -388,18 +395,144 @@ _CHECKPOINTED = "_checkpoint_wrapped_module"
 
 
 def _after_attention_projection(engine, module: nn.Module, args, output) -> None:
-    """Forward hook on a layer's first attention projection: the gradient of its output arrives in
+    """Forward hook on a layer's first attention projection. In forward, the earlier layers' copies
+    to the host let go of their sources before the attention runs, at long context
+    (`ActivationOffloader.release_before_attention`). The gradient of its output arrives in
     backward once the attention's backward, the layer's peak, is done, and the layers before it
     may come back then (`ActivationOffloader.prefetch_point`). Hooked on the graph backward runs
     through: the forward's (a non-reentrant checkpoint's recompute only refills saved tensors),
     or a reentrant checkpoint's recompute. Under torch.compile it does nothing (traced as such,
     it leaves the compiled graph as it would be without offloading), and the layers before come
     back at the layer's backward start."""
-    if torch.compiler.is_compiling() or not (isinstance(output, torch.Tensor) and output.requires_grad):
+    if torch.compiler.is_compiling():
         return
-    group = engine.backward_group() if in_backward() else engine.forward_group()
+    backward = in_backward()
+    if not backward:
+        engine.release_before_attention()
+    if not (isinstance(output, torch.Tensor) and output.requires_grad):
+        return
+    group = engine.backward_group() if backward else engine.forward_group()
     if group is not None and group.late_point:
         output.register_hook(functools.partial(_past_the_peak, engine, weakref.ref(group)))
+
+
+_CHECKPOINTING_FUNC = "_gradient_checkpointing_func"  # transformers' GradientCheckpointingLayer calls it
+
+
+class _RecomputeScoped:
+    """A layer's `_gradient_checkpointing_func` (transformers sets one on each layer), passing it the
+    layer's forward wrapped so that its recompute in backward runs inside the engine's
+    `recompute_scope`: what the recompute saves for the attention's backward waits on the host while
+    the MLP's backward runs (`engine.recompute`). The checkpoint itself, reentrant or not, is
+    transformers' and torch's, unchanged. A copy or a pickle of the layer gets the function it wraps."""
+
+    __slots__ = ("original", "layer")
+
+    def __init__(self, original: Callable, layer: nn.Module) -> None:
+        self.original = original
+        self.layer = weakref.ref(layer)
+
+    def __call__(self, function, *args, **kwargs):
+        return self.original(functools.partial(_recompute_in_scope, self.layer, function), *args, **kwargs)
+
+    def __reduce__(self):
+        return (_unwrapped, (self.original,))
+
+    def __deepcopy__(self, memo: dict):
+        from copy import deepcopy
+
+        return deepcopy(self.original, memo)
+
+
+def _unwrapped(original: Callable) -> Callable:
+    return original
+
+
+def _scope_the_recompute(layer: nn.Module) -> None:
+    """Put `_RecomputeScoped` in place on a checkpointed layer (again after transformers set a new
+    function, or on a copy of the layer)."""
+    inner = innermost(layer)
+    function = inner.__dict__.get(_CHECKPOINTING_FUNC)
+    if function is None:
+        return
+    if isinstance(function, _RecomputeScoped):
+        if function.layer() is layer:
+            return
+        function = function.original
+    inner.__dict__[_CHECKPOINTING_FUNC] = _RecomputeScoped(function, layer)
+
+
+def _unscope_the_recompute(layer: nn.Module) -> None:
+    inner = innermost(layer)
+    function = inner.__dict__.get(_CHECKPOINTING_FUNC)
+    if isinstance(function, _RecomputeScoped):
+        inner.__dict__[_CHECKPOINTING_FUNC] = function.original
+
+
+def _recompute_in_scope(layer_ref: weakref.ref, function, *args, **kwargs):
+    """The layer's forward as the checkpoint calls it: in forward as is; in backward (the recompute)
+    inside the engine's recompute scope for the layer whose backward is running."""
+    if not in_backward():
+        return function(*args, **kwargs)
+    layer = layer_ref()
+    slot = layer.__dict__.get(LAYER_STATE_ATTR) if layer is not None else None
+    controller = slot.controller if slot is not None else None
+    group = controller.engine.backward_group() if controller is not None else None
+    if group is None or torch.compiler.is_compiling():
+        return function(*args, **kwargs)
+    inputs = tensors_in((args, kwargs, getattr(function, "args", ()), getattr(function, "keywords", {})), [])
+    with controller.engine.recompute_scope(group, inputs, functools.partial(slot.tensors, layer)):
+        return function(*args, **kwargs)
+
+
+def _after_attention_block(engine, module: nn.Module, args, output) -> None:
+    """Forward hook on a layer's attention block. In forward, and in a reentrant checkpoint's
+    recompute (the graph backward runs through), the gradient of its output is hooked: it arrives
+    once the MLP's backward and the post-attention norm's are done, and before any of the attention's
+    backward runs, and what the recompute parked comes back then (`engine.restore_recomputed`). In a
+    recompute, what was saved for the attention leaves the device here (`engine.park_recomputed`), its
+    output excepted: with tiling the post-attention norm's and the MLP's forwards run whole in the
+    recompute (each with its slice's float32 work), the peak of a long sequence."""
+    if torch.compiler.is_compiling():
+        return
+    hidden = output[0] if isinstance(output, (tuple, list)) and output else output
+    scope = None
+    if in_backward():
+        group = engine.backward_group()
+        scope = engine.active_recompute(group) if group is not None else None
+        if scope is None:
+            return
+        scope.end_window(tensors_in(output, []))
+        if scope.outer is not None:
+            # Non-reentrant: the recompute's graph is never backpropagated; the forward's hook is.
+            engine.park_recomputed(scope, keep=())
+            return
+    else:
+        group = engine.forward_group()
+    if group is not None and isinstance(hidden, torch.Tensor) and hidden.requires_grad:
+        hidden.register_hook(functools.partial(_attention_gradient, engine, weakref.ref(group)))
+        group.attention_hooked = True
+    if scope is not None:
+        engine.park_recomputed(scope, keep=())
+
+
+def _before_a_later_part(engine, module: nn.Module, args, kwargs) -> None:
+    """Forward pre-hook on a layer's norms and MLP. In a checkpoint's recompute, after the attention
+    block returned (and what it saved was parked): anything parked that this part is called with
+    comes back before it runs (an MLP in parallel with the attention takes the input norm's output,
+    which the attention's projections saved; `engine.restore_read`)."""
+    if torch.compiler.is_compiling() or not in_backward():
+        return
+    group = engine.backward_group()
+    scope = engine.active_recompute(group) if group is not None else None
+    if scope is not None and not scope.window and group.parked:
+        engine.restore_read(group, tensors_in((args, kwargs), []))
+
+
+def _attention_gradient(engine, group: weakref.ref, grad: torch.Tensor) -> None:
+    layer_group = group()
+    if layer_group is not None:
+        engine.restore_recomputed(layer_group)
 
 
 def _past_the_peak(engine, group: weakref.ref, grad: torch.Tensor) -> None:
@@ -472,6 +605,19 @@ def _install(controller: _Controller, layers: Sequence[nn.Module]) -> None:
             slot.late_hook = projection.register_forward_hook(
                 functools.partial(_after_attention_projection, controller.engine)
             )
+        if attention is not None and slot.attention_hook is None:
+            slot.attention_hook = attention.register_forward_hook(
+                functools.partial(_after_attention_block, controller.engine)
+            )
+        if attention is not None and not slot.part_hooks:
+            inside = set(attention.modules())
+            parts = [norm for norm in find_norms(layer) if norm not in inside] + [find_mlp(layer)]
+            hook = functools.partial(_before_a_later_part, controller.engine)
+            slot.part_hooks = [
+                part.register_forward_pre_hook(hook, with_kwargs=True)
+                for part in dict.fromkeys(parts)
+                if part is not None
+            ]
     controller.layers = unique
 
 
@@ -483,6 +629,13 @@ def _uninstall(controller: _Controller) -> None:
         if slot.late_hook is not None:
             slot.late_hook.remove()
             slot.late_hook = None
+        if slot.attention_hook is not None:
+            slot.attention_hook.remove()
+            slot.attention_hook = None
+        for handle in slot.part_hooks:
+            handle.remove()
+        slot.part_hooks = []
+        _unscope_the_recompute(layer)
         if instance_forward.wraps(layer, _offloaded_forward):
             if slot.previous_forward is None:
                 del layer.forward

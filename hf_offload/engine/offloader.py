@@ -24,17 +24,18 @@ on a GPU host the CPU time of each layer call is time the device may wait.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import threading
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from copy import deepcopy
 
 import torch
 
-from . import forks, ordering
+from . import forks, ordering, recompute
 from .disk import DiskStore
 from .handles import HostCopy, HostLedger, OffloadedTensor
 from .planner import place_tiers, plan
@@ -69,6 +70,25 @@ def current_backward_id() -> int:
 # peak to pass (`ActivationOffloader._restore_ahead`): below it the memory held through the peak
 # is too small to matter (8B's input at 32k tokens), and copying ahead as early as possible is safest.
 LATE_PREFETCH_BYTES = 256 * 2**20
+
+# From this many bytes a layer's copies to the host in forward let go of their sources at the next
+# layer's attention (`ActivationOffloader.release_before_attention`), not at that layer's end: the
+# next layer's attention holds the forward's peak, and the wait it may cost (the copy's remaining
+# time, at most bytes / 55 GB/s on an H200's pinned link: 39 ms at 2 GiB, Llama-3-8B's layer input
+# at 262,144 tokens) is small beside a layer's forward there, whose attention grows as tokens^2.
+EARLY_RELEASE_BYTES = 2 * 2**30
+
+
+@contextlib.contextmanager
+def early_release_threshold(nbytes: int) -> Iterator[None]:
+    """Within this block, `EARLY_RELEASE_BYTES` is `nbytes` (the memory simulator's steps of systems
+    that let go of a layer's input only later, ALST's: 2**62)."""
+    global EARLY_RELEASE_BYTES
+    previous, EARLY_RELEASE_BYTES = EARLY_RELEASE_BYTES, nbytes
+    try:
+        yield
+    finally:
+        EARLY_RELEASE_BYTES = previous
 
 
 def _offloader_with_options(options: dict) -> ActivationOffloader:
@@ -231,6 +251,8 @@ class LayerGroup:
         "refused_bytes",
         "late_point",
         "late_pending",
+        "attention_hooked",
+        "parked",
         "__weakref__",
     )
 
@@ -261,6 +283,10 @@ class LayerGroup:
         self.refused_bytes = 0  # host bytes of the copies no tier took (kept 'over_budget')
         self.late_point = False  # the layer signals the end of its peak in backward (`prefetch_point`)
         self.late_pending = False  # the layers before it come back at that point, not at its backward start
+        # The gradient of the attention block's output in the graph backward runs is hooked
+        # (`ActivationOffloader.restore_recomputed`): what the recompute saved for it may wait on the host.
+        self.attention_hooked = False
+        self.parked: list = []  # storages the layer's recompute saved, on the host now (`recompute`)
 
     def protected_storages(self) -> set[int]:
         """The storages of the layer's parameters and buffers and of the model's others, read on
@@ -503,6 +529,9 @@ class ActivationOffloader:
         self._step_groups: weakref.WeakSet[LayerGroup] = weakref.WeakSet()
         self._disk_at_step_start = (0, 0, 0.0, 0.0, 0.0)
         self._reads_waited_at_step_start = 0
+        # The checkpoint recomputes running, per thread (DataParallel's replicas run backward on
+        # threads of their own), innermost last (`recompute`).
+        self._recompute_threads = threading.local()
 
     def configure(
         self,
@@ -669,6 +698,11 @@ class ActivationOffloader:
             total_layer_scopes=life.layer_scopes,
             total_pack_calls=life.pack_calls,
             total_unpack_calls=life.unpack_calls,
+            recompute_offloaded_tensors=step.recompute_offloaded_tensors,
+            recompute_offloaded_bytes=step.recompute_offloaded_bytes,
+            recompute_restored_tensors=step.recompute_restored_tensors,
+            recompute_kept_bytes=step.recompute_kept_bytes,
+            early_releases=step.early_releases,
             **self._disk_stats(),
         )
 
@@ -1002,6 +1036,16 @@ class ActivationOffloader:
             owner, batch = self._in_flight.popleft()
             owner.release(batch)
 
+    def release_before_attention(self) -> None:
+        """In forward, the current layer's attention is about to run: the copies of earlier layers
+        still in flight that are at least `EARLY_RELEASE_BYTES` are waited for and their sources let
+        go now, so that they are off the device through the attention's peak."""
+        with self._lock:
+            while self._in_flight and self._in_flight[0][1].nbytes >= EARLY_RELEASE_BYTES:
+                owner, batch = self._in_flight.popleft()
+                owner.release(batch)
+                self.step.early_releases += 1
+
     def forward_group(self) -> LayerGroup | None:
         """The group of the layer call running in forward (the last one entered)."""
         return self._last_group() if self._last_group is not None else None
@@ -1095,6 +1139,82 @@ class ActivationOffloader:
                         step.restored_ahead += restored
                     self._holding_ahead.append(weakref.ref(current))
             current = current.prev() if current.prev is not None else None
+
+    def recompute_scope(
+        self, group: LayerGroup, inputs: Iterable[torch.Tensor], protected: Callable[[], Iterable[torch.Tensor]]
+    ) -> recompute.RecomputeScope:
+        """`with engine.recompute_scope(group, inputs, protected): layer_forward(*inputs)` around a
+        checkpointed layer's recompute in backward: what it saves for its attention's backward waits
+        on the host while the MLP's backward runs (`recompute`). `inputs`: every tensor the recompute
+        takes; `protected`: the layer's parameters and buffers."""
+        return recompute.RecomputeScope(self, group, inputs, protected)
+
+    def active_recompute(self, group: LayerGroup) -> recompute.RecomputeScope | None:
+        """The recompute scope running for `group`'s layer, if its recompute is running now."""
+        scopes = self.recompute_scopes()
+        return scopes[-1] if scopes and scopes[-1].group is group else None
+
+    def recompute_scopes(self) -> list[recompute.RecomputeScope]:
+        """This thread's recompute scopes, innermost last."""
+        local = self._recompute_threads
+        scopes = getattr(local, "scopes", None)
+        if scopes is None:
+            scopes = local.scopes = []
+        return scopes
+
+    def park_recomputed(self, scope: recompute.RecomputeScope, keep: Iterable[torch.Tensor] | None = None) -> None:
+        """What `scope`'s recompute saved for the attention's backward goes to the host: when the
+        attention block returns in the recompute (`keep`: what else stays), or when the recompute ends
+        (`keep` None) where nothing called it before."""
+        group = scope.group
+        step = self.step
+        if keep is None and scope.decided:
+            # Parked when the attention returned: anything of those the rest of the recompute saved
+            # again (a layer of unusual shape) comes back at once, before backward reads it.
+            again = [entry for entry in group.parked if recompute.storage_key(entry.storage) in scope.after]
+            if again:
+                with self._lock:
+                    group.parked = [entry for entry in group.parked if entry not in again]
+                    step.recompute_restored_tensors += recompute.unpark(group, again)
+            return
+        if scope.window or not group.attention_hooked or group.parked or scope.decided:
+            # The attention block never returned in the recompute (what was saved after it cannot be
+            # told apart); nothing would bring them back; or a second recompute of one graph
+            # (retain_graph) while the first one's are still parked.
+            return
+        scope.decided = keep is not None
+        with self._lock:
+            storages = scope.candidates(() if keep is None else keep)
+            nbytes = sum(storage.nbytes() for storage in storages)
+            if not storages or nbytes < recompute.RECOMPUTE_OFFLOAD_BYTES:
+                step.recompute_kept_bytes += nbytes
+                return
+            group.parked = parked = recompute.park(group, storages)
+            step.recompute_offloaded_tensors += len(parked)
+            step.recompute_offloaded_bytes += sum(entry.nbytes for entry in parked)
+            step.recompute_kept_bytes += nbytes - sum(entry.nbytes for entry in parked)
+
+    def restore_read(self, group: LayerGroup, tensors: Iterable[torch.Tensor]) -> None:
+        """The recompute reads `tensors` on after parking: those of them parked come back now."""
+        storages = []
+        for tensor in tensors:
+            try:
+                storages.append(tensor.untyped_storage())
+            except (RuntimeError, NotImplementedError):
+                continue
+        read = [entry for entry in group.parked if any(entry.storage is storage for storage in storages)]
+        if read:
+            with self._lock:
+                group.parked = [entry for entry in group.parked if entry not in read]
+                self.step.recompute_restored_tensors += recompute.unpark(group, read)
+
+    def restore_recomputed(self, group: LayerGroup) -> None:
+        """The gradient of `group`'s attention output has arrived: what its recompute parked comes back."""
+        if not group.parked:
+            return
+        with self._lock:
+            parked, group.parked = group.parked, []
+            self.step.recompute_restored_tensors += recompute.unpark(group, parked)
 
     def prefetch_point(self, group: LayerGroup) -> None:
         """`group`'s layer has passed its peak in backward (its attention's backward is done): the

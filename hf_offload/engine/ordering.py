@@ -32,3 +32,15 @@ def before_using_restored(streams, compute, copied_in) -> None:
 def before_dropping_unused(streams, compute, copied_in) -> None:
     """Memory brought back but never used is freed only after the copy into it has finished."""
     streams.wait(compute, copied_in)
+
+
+def before_freeing_recomputed(streams, compute, copied_out) -> None:
+    """A storage a checkpoint's recompute saved is freed in place (`recompute.park`) only once its
+    copy out has finished: the compute stream waits for it before the memory is given back."""
+    streams.wait(compute, copied_out)
+
+
+def before_using_recomputed(streams, compute, copied_in) -> None:
+    """A recomputed storage grown back (`recompute.unpark`) is read by the attention's backward only
+    after the copy into it has finished; that read is the checkpoint's, not ours, so the wait is here."""
+    streams.wait(compute, copied_in)

@@ -41,6 +41,11 @@ class StepCounters:
     disk_offloaded_bytes: int = 0
     layers_on_disk: int = 0
     planned_disk_layers: int | None = None
+    recompute_offloaded_tensors: int = 0
+    recompute_offloaded_bytes: int = 0
+    recompute_restored_tensors: int = 0
+    recompute_kept_bytes: int = 0
+    early_releases: int = 0
     kept_tensors: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KEEP_REASONS, 0))
     kept_bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KEEP_REASONS, 0))
 
@@ -130,6 +135,16 @@ class OffloadStats:
     disk_read_gbps: float | None = None
     disk_wait_seconds: float = 0.0
     disk_bytes_held: int = 0
+    # Inside checkpointed layers' recompute (`engine.recompute`): storages saved for the attention's
+    # backward that waited on the host while the MLP's backward ran, and were brought back; what stayed
+    # because the layer's total was under `recompute.RECOMPUTE_OFFLOAD_BYTES` (or got no host memory).
+    recompute_offloaded_tensors: int = 0
+    recompute_offloaded_bytes: int = 0
+    recompute_restored_tensors: int = 0
+    recompute_kept_bytes: int = 0
+    # Layers whose copies to the host let go of their device sources before the next layer's attention
+    # ran, not at its end (`ActivationOffloader.release_before_attention`, long context only).
+    early_releases: int = 0
 
     def as_dict(self) -> dict[str, object]:
         return {name: getattr(self, name) for name in self.__dataclass_fields__}
@@ -146,6 +161,11 @@ class OffloadStats:
         if self.restored_tensors:
             lines.append(
                 f"brought back: {self.restored_ahead} copies ahead of need, {self.restored_on_demand} on demand"
+            )
+        if self.recompute_offloaded_tensors:
+            lines.append(
+                f"inside the checkpoints' recompute: {self.recompute_offloaded_tensors} storages, "
+                f"{_human(self.recompute_offloaded_bytes)} waited on the host for the attention's backward"
             )
         lines.append(
             f"device memory held by the engine at most: {_human(self.peak_forward_held_bytes)} in forward, "

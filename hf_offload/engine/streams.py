@@ -124,6 +124,14 @@ class AcceleratorStreams:
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=True)
 
+    def shrink(self, storage: torch.UntypedStorage) -> None:
+        """Free a storage's device memory in place: every tensor on it keeps the storage object."""
+        storage.resize_(0)
+
+    def regrow(self, storage: torch.UntypedStorage, nbytes: int) -> None:
+        """Give a storage freed in place (`shrink`) device memory again, on the compute stream."""
+        storage.resize_(nbytes)
+
     def device_buffer(self, nbytes: int) -> torch.Tensor:
         # Allocated on the compute stream, which owns the memory; the copy stream writes into it
         # only after waiting for the compute stream, and the compute stream reads it only after
@@ -195,6 +203,12 @@ class MetaStreams:
     def copy_async(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         for dst, src in pairs:
             dst.copy_(src)
+
+    def shrink(self, storage: torch.UntypedStorage) -> None:
+        storage.resize_(0)
+
+    def regrow(self, storage: torch.UntypedStorage, nbytes: int) -> None:
+        storage.resize_(nbytes)
 
     def device_buffer(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
@@ -310,6 +324,15 @@ class SimulatedStreams:
     def device_buffer(self, nbytes: int) -> torch.Tensor:
         self.clock += 1
         return torch.full((nbytes,), GARBAGE_BYTE, dtype=torch.uint8)
+
+    def shrink(self, storage: torch.UntypedStorage) -> None:
+        storage.resize_(0)
+
+    def regrow(self, storage: torch.UntypedStorage, nbytes: int) -> None:
+        """Like `device_buffer`: new device memory, garbage until a copy fills it."""
+        self.clock += 1
+        storage.resize_(nbytes)
+        flat_bytes(storage).fill_(GARBAGE_BYTE)
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         return torch.full((nbytes,), GARBAGE_BYTE, dtype=torch.uint8)

@@ -191,6 +191,8 @@ def nearest(point: dict) -> Nearest | str:
         device=DEVICES[point["device"]],
         keep_last_layers=0 if offload else 1,
         tiling=tiling,
+        recompute_offload=False,  # their systems keep what a layer's recompute saves on the device
+        early_release=False,  # and let go of a layer's input as hf_offload did before issue 46
     )
     return Nearest(point["preset"], mode, training, kernel, differs, memory, synchronous, point.get("config"),
                    accumulation)  # fmt: skip

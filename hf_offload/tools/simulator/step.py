@@ -27,6 +27,7 @@ import torch
 
 import hf_offload
 from hf_offload.config import DEFAULT_MIN_OFFLOAD_BYTES, DISK_SPACE_SHARE, HOST_MEMORY_SHARE, TilingOptions
+from hf_offload.engine import offloader, recompute
 from hf_offload.internal import (
     MetaStreams,
     TierPlan,
@@ -74,6 +75,14 @@ class Training:
     keep_last_layers: int = 1
     prefetch_layers: int = 1
     min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES
+    # What a checkpointed layer's recompute saves for its attention waits on the host past
+    # `RECOMPUTE_OFFLOAD_BYTES` a layer (hf_offload's behaviour, `engine/recompute.py`); False keeps
+    # it on the device, as systems without it do (ALST's setups in `benchmarks/published.py`).
+    recompute_offload: bool = True
+    # A layer's copies to the host let go of their device memory before the next layer's attention
+    # from `EARLY_RELEASE_BYTES` a layer (hf_offload's behaviour, `engine/offloader.py`); False: at
+    # the next layer's end, as before (ALST's setups in `benchmarks/published.py`).
+    early_release: bool = True
     host_memory_bytes: int | None = None  # the simulated host's RAM; None: unlimited
     # Free space for the disk tier (hf_offload's default max_disk_bytes is 80% of it); None: no disk
     # tier. With it the step offloads every layer (nothing stays on the device for want of host
@@ -327,6 +336,14 @@ class _TrackedStreams(MetaStreams):
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         with self.tracker.host_allocations():
             return super().host_buffer(nbytes)
+
+    def shrink(self, storage: torch.UntypedStorage) -> None:
+        super().shrink(storage)
+        self.tracker.resized(storage)
+
+    def regrow(self, storage: torch.UntypedStorage, nbytes: int) -> None:
+        super().regrow(storage, nbytes)
+        self.tracker.resized(storage)
 
     def device_buffer(self, nbytes: int) -> torch.Tensor:
         tag = self.tracker.tag
@@ -628,6 +645,10 @@ class Simulator:
                 # With a disk tier the host budget holds what the disk does not: the step offloads
                 # everything, and `place_tiers` judges the two tiers after it.
                 host = None if training.disk_memory_bytes is not None else training.host_budget_bytes
+                if not training.recompute_offload:
+                    stack.enter_context(recompute.threshold(2**62))
+                if not training.early_release:
+                    stack.enter_context(offloader.early_release_threshold(2**62))
                 hf_offload.enable_activation_offloading(
                     base,
                     simulate_on_cpu=True,

@@ -476,6 +476,24 @@ class MemoryTracker(TorchDispatchMode):
             account.trace.append(live)
         return out
 
+    def resized(self, storage) -> None:
+        """A storage counted before was resized in place (hf_offload frees what a checkpoint's
+        recompute saved for the attention, and grows it back, `engine.recompute`): its bytes now."""
+        key = id(storage)
+        account = self.account if key in self.account.blocks else self.main
+        block = account.blocks.get(key)
+        if block is None:
+            return
+        nbytes = storage.nbytes()
+        change = nbytes - block[0]
+        if change < 0 and account.pending_snapshot:
+            account.settle()
+        block[0] = nbytes
+        account.live += change
+        account.live_by_tag[block[1]] += change
+        if change > 0 and account.live > account.peak.bytes:
+            self._new_peak(account, account.live)
+
     def _add(self, account: Account, storage) -> None:
         key = id(storage)
         if key in account.blocks or key in self.host or (account is not self.main and key in self.main.blocks):
