@@ -405,3 +405,50 @@ def test_an_early_release_without_waiting_for_its_copy_is_caught(monkeypatch):
     with simulated_schedule("lazy"):
         plain, model = build(**SETUPS["non_reentrant_tiled"])
         assert not identical(plain, model)
+
+
+def held_peak(monkeypatch) -> list[int]:
+    """[the most host memory the budgets held at once], updated as the step charges them."""
+    from hf_offload.engine.pool import HostBudget
+
+    peak, charge = [0], HostBudget.charge
+
+    def charging(self, nbytes):
+        charge(self, nbytes)
+        peak[0] = max(peak[0], self.held)
+
+    monkeypatch.setattr(HostBudget, "charge", charging)
+    return peak
+
+
+def step_within_a_budget_the_inputs_fill(monkeypatch):
+    """max_host_bytes set to what the checkpoint inputs alone hold at most; then a step with parking
+    on. Returns (whether it was exact, the held peak, the limit, the storages parked)."""
+    plain, model = build(reentrant=False, tiled=True, lora=False)
+    monkeypatch.setattr(recompute, "RECOMPUTE_OFFLOAD_BYTES", 2**62)
+    peak = held_peak(monkeypatch)
+    train_step(model, batch())
+    limit = peak[0]
+    plain, model = build(reentrant=False, tiled=True, lora=False)
+    hf_offload.enable_activation_offloading(model, simulate_on_cpu=True, min_offload_bytes=0, max_host_bytes=limit)
+    monkeypatch.setattr(recompute, "RECOMPUTE_OFFLOAD_BYTES", 0)
+    peak[0] = 0
+    events = spy_events(model, monkeypatch)
+    exact = identical(plain, model)
+    parked = [storage for event in events if event[0] == "parked" for storage in event[2]]
+    return exact, peak[0], limit, parked
+
+
+def test_what_the_recompute_parks_stays_within_max_host_bytes(monkeypatch):
+    """Parked storages are charged to max_host_bytes like the checkpoint inputs: with a budget the
+    inputs already fill, the recompute keeps its tensors on the device, and the step is exact."""
+    exact, held, limit, _ = step_within_a_budget_the_inputs_fill(monkeypatch)
+    assert exact
+    assert 0 < held <= limit
+
+
+def test_parking_past_max_host_bytes_is_caught(monkeypatch):
+    """Companion: parking without asking the budget holds more host memory than max_host_bytes."""
+    monkeypatch.setattr(recompute, "_room_for", lambda pool, nbytes: True)
+    exact, held, limit, parked = step_within_a_budget_the_inputs_fill(monkeypatch)
+    assert parked and held > limit

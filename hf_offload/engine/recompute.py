@@ -209,6 +209,10 @@ class RecomputeScope:
         ]
 
 
+def _room_for(pool, nbytes: int) -> bool:
+    return pool.budget.has_room(nbytes)
+
+
 def park(group, storages: list[torch.UntypedStorage]) -> list[Parked]:
     """Copy each storage to the host on the copy stream, wait for it, free the device memory."""
     context = group.device
@@ -216,6 +220,10 @@ def park(group, storages: list[torch.UntypedStorage]) -> list[Parked]:
     parked, pairs = [], []
     for storage in storages:
         nbytes = storage.nbytes()
+        # Charged to max_host_bytes like the checkpoint inputs (the pool leaves that to its caller):
+        # past it, a storage stays on the device rather than the host growing past the user's budget.
+        if not _room_for(context.pool, rounded_size(nbytes)):
+            continue
         try:
             host = context.pool.acquire(rounded_size(nbytes))
         except (RuntimeError, MemoryError):
