@@ -183,6 +183,12 @@ def linear_attention_stand_ins(_monkeypatch):
         pass
 
 
+def grpo_ulysses_built(monkeypatch):
+    from hf_offload.integrations import grpo_ulysses
+
+    grpo_ulysses._build_class()
+
+
 STOPS = {
     "trl.use_triton": head_stand_ins,
     "trl.trainer_use_triton": head_stand_ins,
@@ -206,6 +212,16 @@ STOPS = {
     "huggingface-hub.constants": hub_check,
     "transformers.output_collector": tiling_enabled,
     "transformers.local_attention_functions": ulysses_unregistered,
+    "trl.grpo_train_sampler": grpo_ulysses_built,
+    "trl.grpo_repeat_sampler": grpo_ulysses_built,
+    "trl.grpo_prepare_inputs": grpo_ulysses_built,
+    "trl.grpo_shuffle": grpo_ulysses_built,
+    "trl.grpo_generate_and_score": grpo_ulysses_built,
+    "trl.grpo_compute_loss": grpo_ulysses_built,
+    "trl.grpo_gather": grpo_ulysses_built,
+    "trl.grpo_gather_object": grpo_ulysses_built,
+    "trl.grpo_generate_single_turn": grpo_ulysses_built,
+    "trl.grpo_per_token_logps": grpo_ulysses_built,
     "transformers.attn_implementation": sequence_parallel_checked,
     "transformers.checkpointing_layer": generic_adapter,
     "deepspeed.sequence_parallel_group": sequence_parallel_group,

@@ -37,8 +37,22 @@ from .sequence_parallel import (
     registered_ulysses,
     sums_over_sequence_parallel_ranks,
 )
+from .upstream import resolve
 
 TRAINER_NAME = "UlyssesGRPOTrainer"
+# TRL's private names the trainer overrides or swaps (integrations/upstream.py's inventory).
+RELIED_ON = (
+    "trl.grpo_train_sampler",
+    "trl.grpo_repeat_sampler",
+    "trl.grpo_prepare_inputs",
+    "trl.grpo_shuffle",
+    "trl.grpo_generate_and_score",
+    "trl.grpo_compute_loss",
+    "trl.grpo_gather",
+    "trl.grpo_gather_object",
+    "trl.grpo_generate_single_turn",
+    "trl.grpo_per_token_logps",
+)
 
 
 def _trl():
@@ -47,6 +61,8 @@ def _trl():
         from trl.trainer import grpo_trainer
     except ImportError as error:
         raise ImportError(f"{TRAINER_NAME} subclasses TRL's GRPOTrainer, and trl is not installed ({error})") from error
+    for entry_id in RELIED_ON:  # UpstreamChanged, naming what TRL renamed, before a class that would skip it
+        resolve(entry_id)
     return GRPOTrainer, grpo_trainer
 
 

@@ -66,6 +66,7 @@ class Reliance:
 
 
 _SIM = "hf_offload/tools/simulator/"
+_GRPO_ULYSSES = "hf_offload/integrations/grpo_ulysses.py"
 # Every file that reads or writes a config's `_attn_implementation` (tests/test_upstream.py holds the list
 # to the source).
 ATTN_IMPLEMENTATION_USERS = (
@@ -178,6 +179,38 @@ INVENTORY: dict[str, Reliance] = {
         "transformers", "transformers.modeling_utils:ALL_ATTENTION_FUNCTIONS._local_mapping", "private name",
         "hf_offload/integrations/sequence_parallel.py, tiling/attention.py",
         "unregister_ulysses (Ulysses' attention taken off again)", ERROR),
+    # UlyssesGRPOTrainer overrides or swaps these; a name TRL renamed would leave ours uncalled (a silently
+    # different step), so the class is not built without them.
+    "trl.grpo_train_sampler": Reliance(
+        "trl", "trl.trainer.grpo_trainer:GRPOTrainer._get_train_sampler", "replaced",
+        _GRPO_ULYSSES, "UlyssesGRPOTrainer (the SP group sampling the same prompts)", ERROR),
+    "trl.grpo_repeat_sampler": Reliance(
+        "trl", "trl.trainer.utils:RepeatSampler", "private name",
+        _GRPO_ULYSSES, "UlyssesGRPOTrainer (the SP group sampling the same prompts)", ERROR),
+    "trl.grpo_prepare_inputs": Reliance(
+        "trl", "trl.trainer.grpo_trainer:GRPOTrainer._prepare_inputs", "replaced",
+        _GRPO_ULYSSES, "UlyssesGRPOTrainer (the SP group shuffling its batch alike)", ERROR),
+    "trl.grpo_shuffle": Reliance(
+        "trl", "trl.trainer.grpo_trainer:shuffle_sequence_dict", "replaced",
+        _GRPO_ULYSSES, "UlyssesGRPOTrainer (the SP group shuffling its batch alike)", ERROR),
+    "trl.grpo_generate_and_score": Reliance(
+        "trl", "trl.trainer.grpo_trainer:GRPOTrainer._generate_and_score_completions", "replaced",
+        _GRPO_ULYSSES, "UlyssesGRPOTrainer (advantages over one process per SP group)", ERROR),
+    "trl.grpo_compute_loss": Reliance(
+        "trl", "trl.trainer.grpo_trainer:GRPOTrainer._compute_loss", "replaced",
+        _GRPO_ULYSSES, "UlyssesGRPOTrainer (the loss's normalisation over one process per SP group)", ERROR),
+    "trl.grpo_gather": Reliance(
+        "trl", "trl.trainer.grpo_trainer:gather", "replaced",
+        _GRPO_ULYSSES, "UlyssesGRPOTrainer (TRL's gathers over one process per SP group)", ERROR),
+    "trl.grpo_gather_object": Reliance(
+        "trl", "trl.trainer.grpo_trainer:gather_object", "replaced",
+        _GRPO_ULYSSES, "UlyssesGRPOTrainer (TRL's gathers over one process per SP group)", ERROR),
+    "trl.grpo_generate_single_turn": Reliance(
+        "trl", "trl.trainer.grpo_trainer:GRPOTrainer._generate_single_turn", "replaced",
+        _GRPO_ULYSSES, "UlyssesGRPOTrainer (one generation per SP group, broadcast)", ERROR),
+    "trl.grpo_per_token_logps": Reliance(
+        "trl", "trl.trainer.grpo_trainer:GRPOTrainer._get_per_token_logps_and_entropies", "replaced",
+        _GRPO_ULYSSES, "UlyssesGRPOTrainer (each rank scoring its slice, log-probs gathered over the group)", ERROR),
     "transformers.attn_implementation": Reliance(
         "transformers", "transformers.configuration_utils:PreTrainedConfig._attn_implementation", "private name",
         ATTN_IMPLEMENTATION_USERS,
