@@ -281,15 +281,15 @@ def fsdp1_full(wrapped: torch.nn.Module) -> tuple[dict, dict]:
 def parameters_unprotected() -> Iterator[None]:
     """A deliberately broken engine that no longer recognises parameter storages: the watch must
     see their copies (the companion of the parity scenarios' "no violations")."""
-    from hf_offload.engine import offloader
+    from hf_offload.engine import offloader, recompute
 
-    originals = offloader.storage_ptrs, offloader.PARAMETER_TYPES
-    offloader.storage_ptrs = lambda tensors: set()
+    originals = recompute.storage_ptrs, offloader.PARAMETER_TYPES
+    recompute.storage_ptrs = lambda tensors: set()
     offloader.PARAMETER_TYPES = ()
     try:
         yield
     finally:
-        offloader.storage_ptrs, offloader.PARAMETER_TYPES = originals
+        recompute.storage_ptrs, offloader.PARAMETER_TYPES = originals
 
 
 def scenario_unprotected(wrapper: str) -> dict:

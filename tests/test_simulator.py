@@ -20,7 +20,7 @@ from transformers import AutoConfig
 
 import hf_offload
 from hf_offload import auto_budget
-from hf_offload.engine import offloader
+from hf_offload.engine import offloader, recompute
 from hf_offload.tools import measured
 from hf_offload.tools.allocations import peak_allocated
 from hf_offload.tools.benchmarks import time_model
@@ -359,7 +359,7 @@ def test_the_engine_check_catches_storages_told_apart_by_address(monkeypatch):
     """Companion: meta storages have no address (data_ptr() is 0). Told apart by address alone,
     every activation shares its key with the parameters, and the engine keeps them all as such."""
     real = tiny_simulator(lora_rank=4).run("hf_offload", 256).offload_stats
-    monkeypatch.setattr(offloader, "storage_key", lambda storage: storage.data_ptr())
+    monkeypatch.setattr(recompute, "storage_key", lambda storage: storage.data_ptr())
     blinded = tiny_simulator(lora_rank=4).run("hf_offload", 256).offload_stats
     assert real["offloaded_tensors"] > 0 and blinded["offloaded_tensors"] == 0
     assert blinded["kept_tensors"]["parameter"] > real["kept_tensors"]["parameter"]

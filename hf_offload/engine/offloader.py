@@ -104,22 +104,6 @@ def in_backward() -> bool:
 PARAMETER_TYPES: tuple[type, ...] = (torch.nn.Parameter,)
 
 
-def storage_key(storage: torch.UntypedStorage) -> int:
-    """A storage's address; its identity for storages without one (tensors on the meta device, as
-    the memory simulator runs whole steps on): then only the storage object tells them apart."""
-    return storage.data_ptr() or id(storage)
-
-
-def storage_ptrs(tensors: Iterable[torch.Tensor]) -> set[int]:
-    ptrs = set()
-    for tensor in tensors:
-        try:
-            ptrs.add(storage_key(tensor.untyped_storage()))
-        except (RuntimeError, NotImplementedError):
-            continue  # a tensor subclass without a plain storage (e.g. a sharded DTensor): never packed as one
-    return ptrs
-
-
 class _InFlight:
     """A batch of copies to the host whose sources must stay alive until it has finished. The
     copies are held weakly: a graph dropped meanwhile (an exception in the next layer) must free
@@ -293,7 +277,8 @@ class LayerGroup:
         the first tensor that needs them (after PEFT, dtype changes or sharding have run)."""
         protected = self._protected
         if protected is None:
-            protected = self._protected = storage_ptrs(self._protected_source()) | self.engine.pass_protected()
+            source = recompute.storage_ptrs(self._protected_source())
+            protected = self._protected = source | self.engine.pass_protected()
             self._protected_source = None
         return protected
 
@@ -343,7 +328,7 @@ class LayerGroup:
             keep("too_small", nbytes)
             return tensor.data
         storage = tensor.untyped_storage()
-        ptr = storage_key(storage)
+        ptr = recompute.storage_key(storage)
         protected = self._protected
         if ptr in (protected if protected is not None else self.protected_storages()):
             keep("parameter", nbytes)
@@ -764,7 +749,7 @@ class ActivationOffloader:
         protected = self._pass_protected
         if protected is None:
             source = self._pass_protected_source
-            protected = self._pass_protected = storage_ptrs(source()) if source is not None else set()
+            protected = self._pass_protected = recompute.storage_ptrs(source()) if source is not None else set()
         return protected
 
     def layer_scope(self, **arguments) -> LayerScope:

@@ -58,20 +58,20 @@ def threshold(nbytes: int) -> Iterator[None]:
 
 
 def storage_key(storage: torch.UntypedStorage) -> int:
-    """A storage's identity while a recompute runs (a parked one, freed in place, by its object)."""
+    """A storage's address; its identity for storages without one (tensors on the meta device, as
+    the memory simulator runs whole steps on; a parked storage, freed in place, while a recompute
+    runs): then only the storage object tells them apart. The engine's one key for a storage (the
+    offloader's too: it imports this module, so the key lives here)."""
     return storage.data_ptr() or id(storage)
 
 
-_storage_key = storage_key
-
-
-def _keys(tensors: Iterable[torch.Tensor]) -> set[int]:
+def storage_ptrs(tensors: Iterable[torch.Tensor]) -> set[int]:
     keys = set()
     for tensor in tensors:
         try:
-            keys.add(_storage_key(tensor.untyped_storage()))
+            keys.add(storage_key(tensor.untyped_storage()))
         except (RuntimeError, NotImplementedError):
-            continue
+            continue  # a tensor subclass without a plain storage (e.g. a sharded DTensor): never packed as one
     return keys
 
 
@@ -163,7 +163,7 @@ class RecomputeScope:
             except (RuntimeError, NotImplementedError):
                 storage = None
             if storage is not None:
-                key = _storage_key(storage)
+                key = storage_key(storage)
                 if self.window:
                     self.before.setdefault(key, storage)
                 else:
@@ -180,21 +180,21 @@ class RecomputeScope:
     def end_window(self, outputs: Iterable[torch.Tensor] = ()) -> None:
         """The attention block has returned `outputs`, which the layer reads on: they never move."""
         self.window = False
-        self.kept.update(_keys(outputs))
+        self.kept.update(storage_ptrs(outputs))
 
     def candidates(self, keep: Iterable[torch.Tensor] = ()) -> list[torch.UntypedStorage]:
         """The storages saved before the attention block returned, and not after, that are neither the
         recompute's inputs nor parameters or buffers, nor the attention block's outputs nor `keep`
         (what the MLP is called with): made by the recompute, for the attention's backward."""
-        excluded = set(self.after) | self.kept | _keys(keep)
+        excluded = set(self.after) | self.kept | storage_ptrs(keep)
         for tensor in self.inputs:
             try:
-                excluded.add(_storage_key(tensor.untyped_storage()))
+                excluded.add(storage_key(tensor.untyped_storage()))
             except (RuntimeError, NotImplementedError):
                 continue
         for tensor in self.protected():
             try:
-                excluded.add(_storage_key(tensor.untyped_storage()))
+                excluded.add(storage_key(tensor.untyped_storage()))
             except (RuntimeError, NotImplementedError):
                 continue
         minimum = max(self.engine.min_offload_bytes, 1)
