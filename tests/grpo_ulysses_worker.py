@@ -14,18 +14,15 @@ tensors.pt, tensors_1.pt); tests/test_grpo_ulysses.py's checks are for one group
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
-import time
-import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from conftest import VOCAB, enable_sim, quiet_training_args, tiny_model  # noqa: E402
-from workers import write_results_and_tear_down  # noqa: E402
+from workers import run_scenarios, write_results_and_tear_down  # noqa: E402
 
 import hf_offload  # noqa: E402
 from hf_offload.integrations import grpo_ulysses  # noqa: E402
@@ -314,17 +311,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     deepspeed.init_distributed(dist_backend="gloo")
     SP = int(os.environ.get("GRPO_ULYSSES_SP", "0")) or dist.get_world_size()
-    results: dict[str, dict] = {}
-    for name in args.scenarios.split(","):
-        started = time.perf_counter()
-        try:
-            results[name] = SCENARIOS[name]()
-        except Exception as error:  # recorded for the test to assert on; the other scenarios still run
-            results[name] = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()}
-        with contextlib.suppress(Exception):
-            sp.unregister_ulysses()
-        dist.barrier()
-        results[name]["seconds"] = round(time.perf_counter() - started, 2)
+    results = run_scenarios(SCENARIOS, args.scenarios, after_each=sp.unregister_ulysses)
     write_results_and_tear_down(args.out, results)
 
 

@@ -12,8 +12,6 @@ import argparse
 import contextlib
 import os
 import sys
-import time
-import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -23,7 +21,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from conftest import enable_sim  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
-from workers import write_results_and_tear_down  # noqa: E402
+from workers import run_scenarios, write_results_and_tear_down  # noqa: E402
 
 import hf_offload  # noqa: E402
 from hf_offload.integrations import linear_attention, router_loss  # noqa: E402
@@ -264,17 +262,7 @@ def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     spw.SP = dist.get_world_size()
     spw.OUT = os.path.abspath(args.out)
-    results: dict[str, dict] = {}
-    for name in args.scenarios.split(","):
-        started = time.perf_counter()
-        try:
-            results[name] = SCENARIOS[name]()
-        except Exception as error:  # recorded for the test to assert on; the other scenarios still run
-            results[name] = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()}
-        with contextlib.suppress(Exception):
-            spw.restore_attention()
-        dist.barrier()
-        results[name]["seconds"] = round(time.perf_counter() - started, 2)
+    results = run_scenarios(SCENARIOS, args.scenarios, after_each=spw.restore_attention)
     write_results_and_tear_down(args.out, results)
 
 

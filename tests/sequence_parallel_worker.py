@@ -13,12 +13,9 @@ a twin run without it must be bit-identical. Rank 0 writes what every rank saw t
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
-import time
-import traceback
 from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -27,7 +24,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from conftest import VOCAB, enable_sim, tiny_model  # noqa: E402
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS  # noqa: E402
-from workers import full_grads, write_results_and_tear_down  # noqa: E402
+from workers import full_grads, run_scenarios, write_results_and_tear_down  # noqa: E402
 
 import hf_offload  # noqa: E402
 from hf_offload.integrations import sequence_parallel as sp  # noqa: E402
@@ -1434,17 +1431,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     deepspeed.init_distributed(dist_backend="gloo")
     SP = dist.get_world_size()
-    results: dict[str, dict] = {}
-    for name in args.scenarios.split(","):
-        started = time.perf_counter()
-        try:
-            results[name] = SCENARIOS[name]()
-        except Exception as error:  # recorded for the test to assert on; the other scenarios still run
-            results[name] = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()}
-        with contextlib.suppress(Exception):
-            restore_attention()
-        dist.barrier()
-        results[name]["seconds"] = round(time.perf_counter() - started, 2)
+    results = run_scenarios(SCENARIOS, args.scenarios, after_each=restore_attention)
 
     write_results_and_tear_down(args.out, results)
 

@@ -1,11 +1,16 @@
-"""What the torchrun worker scripts of the tests (distributed_worker.py, sequence_parallel_worker.py)
-share: the whole gradients of a (possibly sharded) model, and handing their results back to the
-test that launched them."""
+"""What the torchrun worker scripts of the tests (distributed_worker.py, sequence_parallel_worker.py,
+linear_attention_worker.py, grpo_ulysses_worker.py) share: running their scenarios, the whole
+gradients of a (possibly sharded) model, and handing their results back to the test that launched
+them."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
+import time
+import traceback
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -34,3 +39,21 @@ def write_results_and_tear_down(out: str, results: dict) -> None:
     gc.collect()
     dist.barrier()
     dist.destroy_process_group()
+
+
+def run_scenarios(scenarios: dict[str, Callable[[], dict]], names: str, after_each: Callable[[], object]) -> dict:
+    """Run the comma-separated `names` of `scenarios` in turn; a scenario that raises is recorded
+    (for the test to assert on) and the others still run. `after_each` undoes what a scenario may
+    have left registered (its own failure ignored); every scenario's wall time is recorded."""
+    results: dict[str, dict] = {}
+    for name in names.split(","):
+        started = time.perf_counter()
+        try:
+            results[name] = scenarios[name]()
+        except Exception as error:
+            results[name] = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()}
+        with contextlib.suppress(Exception):
+            after_each()
+        dist.barrier()
+        results[name]["seconds"] = round(time.perf_counter() - started, 2)
+    return results
