@@ -211,6 +211,12 @@ INVENTORY: dict[str, Reliance] = {
     "trl.grpo_per_token_logps": Reliance(
         "trl", "trl.trainer.grpo_trainer:GRPOTrainer._get_per_token_logps_and_entropies", "replaced",
         _GRPO_ULYSSES, "UlyssesGRPOTrainer (each rank scoring its slice, log-probs gathered over the group)", ERROR),
+    "transformers.load_balancing_loss_func": Reliance(
+        "transformers", "each MoE modeling module's load_balancing_loss_func, Switch Transformer's loss (checked on "
+        "random router logits), replaced in its module while a model is prepared for Ulysses", "replaced",
+        "hf_offload/integrations/router_loss.py", "the MoE load-balancing loss under Ulysses, the whole sequence's",
+        HELD, "tests/test_linear_attention.py::test_moe_load_balancing_loss_under_ulysses_matches_one_process",
+        checked="5.24.0, 5.25.0"),
     "transformers.attn_implementation": Reliance(
         "transformers", "transformers.configuration_utils:PreTrainedConfig._attn_implementation", "private name",
         ATTN_IMPLEMENTATION_USERS,
